@@ -1,0 +1,46 @@
+# Two commands do all the set-up on a fresh machine:
+#   make book   -> builds the HTML book into _build/html (makes .venv and installs what it needs)
+#   make test   -> lint, types, unit + multiprocess + fault-injection tests, nbval on every notebook
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=300
+export PYTHONHASHSEED := 0
+export MPLBACKEND := Agg
+
+.PHONY: venv test lint book browser-test notebooks clean
+
+$(STAMP): requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests tools notebooks
+	$(VENV)/bin/ruff format --check src tests tools
+	$(VENV)/bin/mypy
+
+test: lint
+	$(PY) -m pytest tests notebooks $(NBVAL) --ignore=tests/browser
+
+book: $(STAMP)
+	$(VENV)/bin/jupyter-book build . -W -n --keep-going
+	@echo "Book built: open file://$(CURDIR)/_build/html/index.html"
+
+# Needs Debian's chromium (apt-get install -y chromium); .ci/run installs it.
+browser-test: $(STAMP)
+	$(PY) -m pytest tests/browser -p no:cacheprovider
+
+# Re-execute every notebook in place and normalise it (run after editing one, then commit).
+notebooks: $(STAMP)
+	$(PY) tools/run_notebooks.py notebooks/*.ipynb
+
+clean:
+	rm -rf _build .pytest_cache .mypy_cache .ruff_cache

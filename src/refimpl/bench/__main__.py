@@ -1,0 +1,29 @@
+"""``python -m refimpl.bench NAME [--out DIR] ...``: run one benchmark module."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+
+import refimpl.bench
+
+
+def available() -> list[str]:
+    """Names of the benchmark modules (each has a ``main(argv)``)."""
+    return sorted(
+        m.name for m in pkgutil.iter_modules(refimpl.bench.__path__) if not m.name.startswith("_")
+    )
+
+
+def main(argv: list[str]) -> int:
+    names = available()
+    if not argv or argv[0] not in names:
+        print(f"usage: python -m refimpl.bench {{{','.join(names)}}} --out DIR [options]")
+        return 2
+    module = importlib.import_module(f"refimpl.bench.{argv[0]}")
+    return int(module.main(argv[1:]))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

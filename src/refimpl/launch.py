@@ -1,0 +1,350 @@
+"""Start a gloo (or NCCL) process group from a notebook, a test or a script, and never hang.
+
+`spawn` is the launcher every chapter uses. It runs ``fn(*args)`` on ``world_size`` local
+processes with the process group already initialised, and returns their results in rank
+order. The first rank that fails (an exception, a crash, a signal) or a job that runs past
+``timeout_s`` ends the whole job: every rank, and everything a rank started, is killed, and
+the error is re-raised in the caller with the rank that caused it and that rank's traceback.
+
+`init_from_env` is the same set-up for processes that `torchrun` started, so the same worker
+function runs on a laptop under `spawn` and on a cluster under `torchrun`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import signal
+import sys
+import time
+import traceback
+import types
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "DEFAULT_PG_TIMEOUT_S",
+    "DEFAULT_TIMEOUT_S",
+    "NotSpawnableError",
+    "RankInfo",
+    "WorkerError",
+    "WorkerTimeout",
+    "init_from_env",
+    "spawn",
+]
+
+DEFAULT_TIMEOUT_S = 60.0
+"""Wall-clock limit of a whole `spawn` job, in seconds."""
+DEFAULT_PG_TIMEOUT_S = 30.0
+"""Default limit of one collective inside the process group, in seconds."""
+_PEER_GONE = ("gloo/transport", "Connection closed", "Connection reset", "communicator was aborted")
+_COLLATERAL_GRACE_S = 1.0  # how long to wait for the root cause after the first failure
+
+
+class NotSpawnableError(ValueError):
+    """The worker function cannot be found by a fresh process, so it cannot be spawned."""
+
+
+class WorkerError(RuntimeError):
+    """A rank failed. ``rank`` names it; ``remote_traceback`` is its traceback text.
+
+    When the rank raised an exception that could be pickled, that exception is this
+    error's ``__cause__``, so ``isinstance(err.__cause__, ValueError)`` works.
+    """
+
+    def __init__(self, rank: int, message: str, remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+
+class WorkerTimeout(WorkerError, TimeoutError):
+    """The job ran past its timeout; ``ranks`` are the ranks that had not finished."""
+
+    def __init__(self, ranks: Sequence[int], timeout_s: float) -> None:
+        names = ", ".join(str(r) for r in ranks)
+        super().__init__(
+            ranks[0],
+            f"rank(s) {names} still running after {timeout_s:g} s; every rank was killed. "
+            "A rank waiting in a collective that another rank never joined looks exactly "
+            "like this: check that all ranks call the same collectives in the same order.",
+        )
+        self.ranks = list(ranks)
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits in the job: what `init_from_env` returns."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    backend: str
+    device: torch.device
+
+
+def _check_spawnable(fn: Callable[..., Any]) -> None:
+    """Refuse, before any process starts, a function a child process cannot import."""
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", repr(fn))
+    why = None
+    if module in (None, "__main__", "__mp_main__"):
+        why = f"{qualname!r} is defined in __main__ (a notebook cell or the script you ran)"
+    elif "<locals>" in qualname or "<lambda>" in qualname:
+        why = f"{qualname!r} is a lambda or a function defined inside another function"
+    else:
+        try:
+            found: Any = importlib.import_module(module)
+            for part in qualname.split("."):
+                found = getattr(found, part)
+            if found is not fn:
+                why = f"{module}.{qualname} names a different object"
+        except (ImportError, AttributeError) as exc:
+            why = f"{module}.{qualname} cannot be imported ({exc})"
+    if why is not None:
+        raise NotSpawnableError(
+            f"cannot spawn {qualname!r}: {why}. Worker processes import the function by "
+            "module and name, so it must live in an importable module. Put it in a .py "
+            "file (the book keeps every worker in refimpl) and import it from there."
+        )
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process if its parent dies, so no rank is orphaned."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def _bootstrap(
+    rank: int,
+    world_size: int,
+    store_port: int,
+    backend: str,
+    pg_timeout_s: float,
+    env: dict[str, str],
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
+    """Body of every worker process: set up the group, run ``fn``, report back."""
+    os.setpgrp()  # own process group: the launcher kills the rank and its children at once
+    _die_with_parent()
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(store_port),
+    )
+    torch.set_num_threads(1)  # N ranks share a few cores; oversubscription distorts timings
+    try:
+        timeout = datetime.timedelta(seconds=pg_timeout_s)
+        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
+        try:
+            value = fn(*args)
+        finally:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+        results.put((rank, "ok", pickle.dumps(value)))
+    except BaseException as exc:  # noqa: BLE001 - everything must reach the launcher
+        text = traceback.format_exc()
+        try:
+            payload = pickle.dumps(exc)
+            pickle.loads(payload)
+        except Exception:  # noqa: BLE001 - some exceptions do not round-trip
+            payload = b""
+        results.put((rank, "error", (type(exc).__name__, str(exc), text, payload)))
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Start children without re-running the caller's ``__main__`` in them.
+
+    multiprocessing re-imports the parent's main script in every child, which runs an
+    unguarded script's top level again (and starts more processes). Workers never need
+    ``__main__`` (`_check_spawnable` refused functions from it), so hide it while starting.
+    """
+    real_main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = real_main
+
+
+def _kill_all(procs: Sequence[Any]) -> None:
+    """SIGKILL every rank's process group (the rank and whatever it started), then reap."""
+    for proc in procs:
+        if proc.pid is None:
+            continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(proc.pid, signal.SIGKILL)
+    for proc in procs:
+        if proc.pid is not None:
+            proc.join(timeout=10)
+
+
+def _is_collateral(failure: tuple[int, str, str, str, Any]) -> bool:
+    """A distributed error on a rank whose peer already died is a symptom, not the cause."""
+    exc, message = failure[4], failure[2]
+    return isinstance(exc, dist.DistError) or any(s in message for s in _PEER_GONE)
+
+
+def _exit_reason(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        return f"was killed by {signal.Signals(-exitcode).name}"
+    return f"exited with code {exitcode} without reporting a result"
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    pg_timeout_s: float | None = None,
+    start_method: str = "forkserver",
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` ranks and return their results in rank order.
+
+    The process group (``backend``, gloo by default) is initialised before ``fn`` runs, so
+    ``fn`` calls ``dist.get_rank()`` and collectives directly, as it would under torchrun.
+    ``fn`` must be importable by module and name (not defined in a notebook); otherwise
+    `NotSpawnableError` is raised before any process starts. If any rank raises or dies,
+    every rank is killed and `WorkerError` is raised naming the rank that caused it; if the
+    job runs past ``timeout_s`` seconds, `WorkerTimeout` is raised. Collectives inside the
+    group time out after ``pg_timeout_s`` (default: the smaller of 30 s and ``timeout_s``).
+
+    Example::
+
+        from refimpl.collectives import rank_times_ten
+        spawn(rank_times_ten, 2)  # -> [0, 10]
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    _check_spawnable(fn)
+    if pg_timeout_s is None:
+        pg_timeout_s = min(DEFAULT_PG_TIMEOUT_S, timeout_s)
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        # Workers fork from a server that has torch imported already: ~10 ms a rank
+        # instead of the ~2 s a fresh interpreter needs to import torch.
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "refimpl.launch"])
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    results = ctx.Queue()
+    env = dict(os.environ)
+    procs = [
+        ctx.Process(
+            target=_bootstrap,
+            args=(r, world_size, store.port, backend, pg_timeout_s, env, fn, args, results),
+            name=f"rank{r}",
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    try:
+        with _main_module_hidden():
+            for proc in procs:
+                proc.start()
+        return _collect(procs, results, timeout_s)
+    finally:
+        _kill_all(procs)
+        results.close()
+        del store
+
+
+def _collect(procs: Sequence[Any], results: Any, timeout_s: float) -> list[Any]:
+    """Wait for every rank's result; on the first failure, find the root cause and raise."""
+    world_size = len(procs)
+    values: dict[int, Any] = {}
+    failures: list[tuple[int, str, str, str, Any]] = []  # rank, type, msg, traceback, exc
+    deadline = time.monotonic() + timeout_s
+    first_failure_at: float | None = None
+    while len(values) + len(failures) < world_size:
+        now = time.monotonic()
+        if first_failure_at is not None and now > first_failure_at + _COLLATERAL_GRACE_S:
+            break
+        if now > deadline:
+            raise WorkerTimeout([r for r in range(world_size) if r not in values], timeout_s)
+        try:
+            rank, status, payload = results.get(timeout=0.05)
+        except queue.Empty:
+            for rank, proc in enumerate(procs):
+                reported = rank in values or any(f[0] == rank for f in failures)
+                if not reported and proc.exitcode is not None and results.empty():
+                    failures.append((rank, "", _exit_reason(proc.exitcode), "", None))
+                    first_failure_at = first_failure_at or time.monotonic()
+            continue
+        if status == "ok":
+            values[rank] = pickle.loads(payload)
+        else:
+            name, message, text, exc_bytes = payload
+            exc = pickle.loads(exc_bytes) if exc_bytes else None
+            failures.append((rank, name, message, text, exc))
+            first_failure_at = first_failure_at or time.monotonic()
+    if failures:
+        root = next((f for f in failures if not _is_collateral(f)), failures[0])
+        rank, name, message, text, exc = root
+        if not name:  # died without reporting: a signal or os._exit
+            raise WorkerError(rank, f"rank {rank} {message}; every rank was killed")
+        err = WorkerError(
+            rank, f"rank {rank} raised {name}: {message}\n\n--- rank {rank} traceback ---\n{text}"
+        )
+        err.remote_traceback = text
+        raise err from exc
+    return [values[r] for r in range(world_size)]
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> RankInfo:
+    """Initialise the process group from torchrun's environment variables.
+
+    Reads ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` (torchrun sets
+    them, and so does `spawn`), picks NCCL when a GPU is present and gloo otherwise, pins
+    the process to GPU ``LOCAL_RANK``, and returns a `RankInfo`. If the group is already
+    initialised (as inside `spawn`) it only reports where this process sits.
+    """
+    missing = [k for k in ("RANK", "WORLD_SIZE") if k not in os.environ]
+    if missing and not dist.is_initialized():
+        raise RuntimeError(
+            f"init_from_env: {', '.join(missing)} not set. Start this script with "
+            "`torchrun --nproc-per-node=N script.py`, or call it from refimpl.launch.spawn."
+        )
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available()
+    if backend is None:
+        backend = "nccl" if use_cuda else "gloo"
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return RankInfo(
+        rank=dist.get_rank(),
+        local_rank=local_rank,
+        world_size=dist.get_world_size(),
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
+        backend=str(dist.get_backend()),
+        device=device,
+    )

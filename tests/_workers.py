@@ -1,0 +1,68 @@
+"""Worker functions for the launcher tests. They live in a module (not in the test file's
+closures) because worker processes import them by name."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def rank_and_sum() -> tuple[int, int, float]:
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return dist.get_rank(), dist.get_world_size(), t.item()
+
+
+def env_view() -> dict[str, str]:
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "FROM_PARENT")
+    return {k: os.environ.get(k, "") for k in keys}
+
+
+def fail_on(bad_rank: int) -> int:
+    if dist.get_rank() == bad_rank:
+        raise ValueError(f"boom on rank {bad_rank}")
+    # The healthy ranks wait in a collective that the bad rank never joins.
+    dist.barrier()
+    return dist.get_rank()
+
+
+def record_pid_then(pid_dir: str, action: str) -> None:
+    """Write our pid (and a grandchild's) to pid_dir, then hang, crash or get killed."""
+    child = subprocess.Popen(["sleep", "600"])
+    Path(pid_dir, f"rank{dist.get_rank()}.pid").write_text(f"{os.getpid()} {child.pid}")
+    if action == "hang":
+        time.sleep(600)
+    elif action == "sigkill_rank1" and dist.get_rank() == 1:
+        time.sleep(0.2)
+        os.kill(os.getpid(), 9)
+    elif action == "raise_rank0" and dist.get_rank() == 0:
+        raise RuntimeError("rank 0 gives up")
+    time.sleep(600)
+
+
+def skip_collective_on(rank_that_skips: int) -> float:
+    """One rank skips an all_reduce: with a short group timeout the others error out."""
+    t = torch.ones(1)
+    if dist.get_rank() != rank_that_skips:
+        dist.all_reduce(t)
+    else:
+        time.sleep(600)
+    return t.item()
+
+
+class Unpicklable(Exception):
+    def __init__(self, a: int, b: int) -> None:  # two required args: pickling drops them
+        super().__init__(f"{a}+{b}")
+
+
+def raise_unpicklable() -> None:
+    raise Unpicklable(1, 2)
+
+
+def big_result(n: int) -> torch.Tensor:
+    return torch.full((n,), float(dist.get_rank()))

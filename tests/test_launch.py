@@ -1,0 +1,151 @@
+"""The launcher's contract: results in rank order, the failing rank named with its traceback,
+hangs ended within the timeout, no process left behind, unspawnable functions refused early."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import _workers
+import pytest
+import torch
+
+from refimpl.launch import NotSpawnableError, WorkerError, WorkerTimeout, init_from_env, spawn
+
+
+def _alive(pid: int) -> bool:
+    """True if pid exists and is not a zombie."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "State:\tZ" not in status
+
+
+def _pids(pid_dir: Path) -> list[int]:
+    return [int(p) for f in sorted(pid_dir.glob("*.pid")) for p in f.read_text().split()]
+
+
+def test_results_come_back_in_rank_order() -> None:
+    assert spawn(_workers.rank_and_sum, 3) == [(0, 3, 6.0), (1, 3, 6.0), (2, 3, 6.0)]
+
+
+def test_world_size_one_works() -> None:
+    assert spawn(_workers.rank_and_sum, 1) == [(0, 1, 1.0)]
+
+
+def test_torchrun_environment_is_set_and_parent_env_is_passed(monkeypatch) -> None:
+    monkeypatch.setenv("FROM_PARENT", "yes")
+    views = spawn(_workers.env_view, 2)
+    assert views == [
+        {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+         "FROM_PARENT": "yes"}
+        for r in range(2)
+    ]
+
+
+def test_large_results_do_not_deadlock() -> None:
+    out = spawn(_workers.big_result, 2, 2_000_000)
+    assert [t.shape[0] for t in out] == [2_000_000, 2_000_000]
+    assert out[1].sum().item() == 2_000_000.0
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_worker_error_names_its_rank_and_keeps_the_traceback(bad_rank: int) -> None:
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        spawn(_workers.fail_on, 3, bad_rank, timeout_s=30)
+    err = info.value
+    assert err.rank == bad_rank
+    assert f"rank {bad_rank} raised ValueError: boom on rank {bad_rank}" in str(err)
+    assert isinstance(err.__cause__, ValueError)
+    assert "in fail_on" in err.remote_traceback  # the worker's own frame, not the launcher's
+    # The healthy ranks were stuck in a barrier; they were killed, not waited for.
+    assert time.monotonic() - start < 15
+
+
+def test_unpicklable_exception_still_reports_type_and_message() -> None:
+    with pytest.raises(WorkerError, match=r"rank 0 raised Unpicklable: 1\+2") as info:
+        spawn(_workers.raise_unpicklable, 1)
+    assert info.value.__cause__ is None
+
+
+def test_hung_worker_ends_as_timeout_and_no_process_survives(tmp_path: Path) -> None:
+    start = time.monotonic()
+    with pytest.raises(WorkerTimeout) as info:
+        spawn(_workers.record_pid_then, 2, str(tmp_path), "hang", timeout_s=4)
+    elapsed = time.monotonic() - start
+    assert info.value.ranks == [0, 1]
+    assert 4 <= elapsed < 12, elapsed
+    pids = _pids(tmp_path)
+    assert len(pids) == 4  # two ranks, each with a `sleep` grandchild
+    time.sleep(0.2)
+    assert [p for p in pids if _alive(p)] == []
+
+
+def test_rank_killed_by_signal_is_named_and_everything_is_reaped(tmp_path: Path) -> None:
+    with pytest.raises(WorkerError, match="rank 1 was killed by SIGKILL") as info:
+        spawn(_workers.record_pid_then, 3, str(tmp_path), "sigkill_rank1", timeout_s=30)
+    assert info.value.rank == 1
+    time.sleep(0.2)
+    pids = _pids(tmp_path)
+    assert len(pids) == 6
+    assert [p for p in pids if _alive(p)] == []
+
+
+def test_exception_kills_the_other_ranks_and_their_children(tmp_path: Path) -> None:
+    with pytest.raises(WorkerError, match="rank 0 raised RuntimeError: rank 0 gives up"):
+        spawn(_workers.record_pid_then, 2, str(tmp_path), "raise_rank0", timeout_s=30)
+    time.sleep(0.2)
+    pids = _pids(tmp_path)
+    assert len(pids) == 4
+    assert [p for p in pids if _alive(p)] == []
+
+
+def test_skipped_collective_ends_as_error_after_group_timeout() -> None:
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        spawn(_workers.skip_collective_on, 2, 1, timeout_s=30, pg_timeout_s=2)
+    # Rank 0 waited in all_reduce for rank 1; gloo's 2 s timeout turned the hang into an error.
+    assert info.value.rank == 0
+    assert time.monotonic() - start < 15
+
+
+def _defined_here() -> None:
+    pass
+
+
+def test_functions_from_main_or_closures_are_refused_before_starting() -> None:
+    def local() -> None:
+        pass
+
+    with pytest.raises(NotSpawnableError, match="defined inside another function"):
+        spawn(local, 2)
+    with pytest.raises(NotSpawnableError, match="lambda"):
+        spawn(lambda: None, 2)
+    _defined_here.__module__ = "__main__"
+    with pytest.raises(NotSpawnableError, match="defined in __main__"):
+        spawn(_defined_here, 2)
+
+
+def test_bad_world_size_is_refused() -> None:
+    with pytest.raises(ValueError, match="world_size must be at least 1"):
+        spawn(_workers.rank_and_sum, 0)
+
+
+def test_init_from_env_without_torchrun_says_what_to_do(monkeypatch) -> None:
+    for key in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(RuntimeError, match="torchrun"):
+        init_from_env()
+
+
+def test_init_from_env_inside_spawn_reports_position() -> None:
+    from refimpl.collectives import rank_info
+
+    before = os.environ.get("RANK")
+    infos = spawn(rank_info, 2)
+    assert [(i.rank, i.world_size, i.backend) for i in infos] == [(0, 2, "gloo"), (1, 2, "gloo")]
+    assert all(i.device == torch.device("cpu") for i in infos)
+    assert os.environ.get("RANK") == before  # the launcher never edits the parent's env
