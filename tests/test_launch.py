@@ -39,8 +39,13 @@ def test_torchrun_environment_is_set_and_parent_env_is_passed(monkeypatch) -> No
     monkeypatch.setenv("FROM_PARENT", "yes")
     views = spawn(_workers.env_view, 2)
     assert views == [
-        {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-         "FROM_PARENT": "yes"}
+        {
+            "RANK": str(r),
+            "LOCAL_RANK": str(r),
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "FROM_PARENT": "yes",
+        }
         for r in range(2)
     ]
 

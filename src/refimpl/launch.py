@@ -46,6 +46,7 @@ DEFAULT_TIMEOUT_S = 60.0
 """Wall-clock limit of a whole `spawn` job, in seconds."""
 DEFAULT_PG_TIMEOUT_S = 30.0
 """Default limit of one collective inside the process group, in seconds."""
+TCPStore = dist.TCPStore  # type: ignore[attr-defined]  # not in torch.distributed's __all__
 _PEER_GONE = ("gloo/transport", "Connection closed", "Connection reset", "communicator was aborted")
 _COLLATERAL_GRACE_S = 1.0  # how long to wait for the root cause after the first failure
 
@@ -93,10 +94,22 @@ class RankInfo:
     device: torch.device
 
 
-def _check_spawnable(fn: Callable[..., Any]) -> None:
-    """Refuse, before any process starts, a function a child process cannot import."""
+def _importable(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``fn`` as a child process will find it, or refuse before any process starts.
+
+    A function of a module run as ``python -m pkg.mod`` is called ``__main__.fn`` here but
+    ``pkg.mod.fn`` for everyone else, so it is swapped for the importable twin.
+    """
     module = getattr(fn, "__module__", None)
     qualname = getattr(fn, "__qualname__", repr(fn))
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if module == "__main__" and spec is not None and spec.name not in ("__main__", None):
+        with contextlib.suppress(ImportError, AttributeError):
+            twin: Any = importlib.import_module(spec.name)
+            for part in qualname.split("."):
+                twin = getattr(twin, part)
+            if callable(twin):
+                return _importable(twin)
     why = None
     if module in (None, "__main__", "__mp_main__"):
         why = f"{qualname!r} is defined in __main__ (a notebook cell or the script you ran)"
@@ -117,6 +130,7 @@ def _check_spawnable(fn: Callable[..., Any]) -> None:
             "module and name, so it must live in an importable module. Put it in a .py "
             "file (the book keeps every worker in refimpl) and import it from there."
         )
+    return fn
 
 
 def _die_with_parent() -> None:
@@ -156,7 +170,7 @@ def _bootstrap(
     torch.set_num_threads(1)  # N ranks share a few cores; oversubscription distorts timings
     try:
         timeout = datetime.timedelta(seconds=pg_timeout_s)
-        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
+        store = TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )
@@ -166,12 +180,12 @@ def _bootstrap(
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
         results.put((rank, "ok", pickle.dumps(value)))
-    except BaseException as exc:  # noqa: BLE001 - everything must reach the launcher
+    except BaseException as exc:  # everything, even SystemExit, must reach the launcher
         text = traceback.format_exc()
         try:
             payload = pickle.dumps(exc)
             pickle.loads(payload)
-        except Exception:  # noqa: BLE001 - some exceptions do not round-trip
+        except Exception:  # some exceptions do not survive pickling
             payload = b""
         results.put((rank, "error", (type(exc).__name__, str(exc), text, payload)))
 
@@ -182,7 +196,7 @@ def _main_module_hidden() -> Iterator[None]:
 
     multiprocessing re-imports the parent's main script in every child, which runs an
     unguarded script's top level again (and starts more processes). Workers never need
-    ``__main__`` (`_check_spawnable` refused functions from it), so hide it while starting.
+    ``__main__`` (`_importable` refused functions from it), so hide it while starting.
     """
     real_main = sys.modules["__main__"]
     sys.modules["__main__"] = types.ModuleType("__main__")
@@ -244,15 +258,15 @@ def spawn(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
-    _check_spawnable(fn)
+    fn = _importable(fn)
     if pg_timeout_s is None:
         pg_timeout_s = min(DEFAULT_PG_TIMEOUT_S, timeout_s)
-    ctx = mp.get_context(start_method)
+    ctx: Any = mp.get_context(start_method)
     if start_method == "forkserver":
         # Workers fork from a server that has torch imported already: ~10 ms a rank
         # instead of the ~2 s a fresh interpreter needs to import torch.
         ctx.set_forkserver_preload(["torch", "torch.distributed", "refimpl.launch"])
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     results = ctx.Queue()
     env = dict(os.environ)
     procs = [
