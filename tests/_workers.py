@@ -66,3 +66,10 @@ def raise_unpicklable() -> None:
 
 def big_result(n: int) -> torch.Tensor:
     return torch.full((n,), float(dist.get_rank()))
+
+
+def print_then_maybe_fail(fail: bool) -> int:
+    print(f"hello from rank {dist.get_rank()}", flush=True)
+    if fail and dist.get_rank() == 1:
+        raise RuntimeError("after printing")
+    return dist.get_rank()

@@ -154,3 +154,23 @@ def test_init_from_env_inside_spawn_reports_position() -> None:
     assert [(i.rank, i.world_size, i.backend) for i in infos] == [(0, 2, "gloo"), (1, 2, "gloo")]
     assert all(i.device == torch.device("cpu") for i in infos)
     assert os.environ.get("RANK") == before  # the launcher never edits the parent's env
+
+
+def test_rank_output_is_hidden_by_default_and_shown_in_rank_order(capfd) -> None:
+    assert spawn(_workers.print_then_maybe_fail, 2, False) == [0, 1]
+    assert "hello from rank" not in capfd.readouterr().out
+    spawn(_workers.print_then_maybe_fail, 2, False, rank_output="show")
+    out = capfd.readouterr().out
+    assert out.splitlines() == ["[rank 0] hello from rank 0", "[rank 1] hello from rank 1"]
+
+
+def test_failing_rank_output_is_kept_on_the_error() -> None:
+    with pytest.raises(WorkerError) as info:
+        spawn(_workers.print_then_maybe_fail, 2, True)
+    assert info.value.rank == 1
+    assert "hello from rank 1" in info.value.output
+
+
+def test_unknown_rank_output_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="rank_output"):
+        spawn(_workers.rank_and_sum, 2, rank_output="loud")

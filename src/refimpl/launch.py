@@ -19,8 +19,10 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import traceback
 import types
@@ -66,6 +68,7 @@ class WorkerError(RuntimeError):
         super().__init__(message)
         self.rank = rank
         self.remote_traceback = remote_traceback
+        self.output = ""  # what the rank wrote to stdout/stderr (see `spawn`'s rank_output)
 
 
 class WorkerTimeout(WorkerError, TimeoutError):
@@ -153,10 +156,18 @@ def _bootstrap(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     results: Any,
+    log_path: str | None,
 ) -> None:
     """Body of every worker process: set up the group, run ``fn``, report back."""
     os.setpgrp()  # own process group: the launcher kills the rank and its children at once
     _die_with_parent()
+    if log_path is not None:
+        # Ranks write to their own file, never to the notebook: N ranks printing at once
+        # would interleave nondeterministically (ipykernel forwards fd 1 and 2 to the page).
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
     os.environ.clear()
     os.environ.update(env)
     os.environ.update(
@@ -240,6 +251,7 @@ def spawn(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     pg_timeout_s: float | None = None,
     start_method: str = "forkserver",
+    rank_output: str = "hide",
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` ranks and return their results in rank order.
 
@@ -250,6 +262,11 @@ def spawn(
     every rank is killed and `WorkerError` is raised naming the rank that caused it; if the
     job runs past ``timeout_s`` seconds, `WorkerTimeout` is raised. Collectives inside the
     group time out after ``pg_timeout_s`` (default: the smaller of 30 s and ``timeout_s``).
+
+    What ranks print goes, by ``rank_output``: ``"hide"`` (default) to a file per rank, kept
+    on the error's ``output`` attribute if that rank fails; ``"show"`` the same, then printed
+    after the job in rank order, each line prefixed ``[rank r]``; ``"inherit"`` straight to
+    this process's stdout/stderr, interleaved (progress bars of long benchmarks).
 
     Example::
 
@@ -266,13 +283,31 @@ def spawn(
         # Workers fork from a server that has torch imported already: ~10 ms a rank
         # instead of the ~2 s a fresh interpreter needs to import torch.
         ctx.set_forkserver_preload(["torch", "torch.distributed", "refimpl.launch"])
+    if rank_output not in ("hide", "show", "inherit"):
+        raise ValueError(f"rank_output must be 'hide', 'show' or 'inherit', not {rank_output!r}")
+    log_dir = None if rank_output == "inherit" else tempfile.mkdtemp(prefix="refimpl-ranks-")
+    logs = [
+        None if log_dir is None else os.path.join(log_dir, f"rank{r}.log")
+        for r in range(world_size)
+    ]
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     results = ctx.Queue()
     env = dict(os.environ)
     procs = [
         ctx.Process(
             target=_bootstrap,
-            args=(r, world_size, store.port, backend, pg_timeout_s, env, fn, args, results),
+            args=(
+                r,
+                world_size,
+                store.port,
+                backend,
+                pg_timeout_s,
+                env,
+                fn,
+                args,
+                results,
+                logs[r],
+            ),
             name=f"rank{r}",
             daemon=True,
         )
@@ -282,11 +317,31 @@ def spawn(
         with _main_module_hidden():
             for proc in procs:
                 proc.start()
-        return _collect(procs, results, timeout_s)
+        values = _collect(procs, results, timeout_s)
+        if rank_output == "show":
+            for r in range(world_size):
+                for line in _read(logs[r]).splitlines():
+                    print(f"[rank {r}] {line}")
+        return values
+    except WorkerError as err:
+        err.output = _read(logs[err.rank])
+        raise
     finally:
         _kill_all(procs)
         results.close()
+        if log_dir is not None:
+            shutil.rmtree(log_dir, ignore_errors=True)
         del store
+
+
+def _read(path: str | None) -> str:
+    if path is None:
+        return ""
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def _collect(procs: Sequence[Any], results: Any, timeout_s: float) -> list[Any]:

@@ -93,7 +93,9 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 5:
         parser.error("--repeats must be at least 5 (medians of fewer are noise)")
-    result = spawn(measure, args.world_size, DEFAULT_SIZES, args.repeats, timeout_s=600)[0]
+    result = spawn(
+        measure, args.world_size, DEFAULT_SIZES, args.repeats, timeout_s=600, rank_output="inherit"
+    )[0]
     for row in result["rows"]:
         row["ring_over_gloo"] = row["ring"]["median"] / row["gloo"]["median"]
         row["gloo_over_memcpy"] = row["gloo"]["median"] / row["memcpy"]["median"]
