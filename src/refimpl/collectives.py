@@ -20,6 +20,7 @@ from refimpl.launch import RankInfo, init_from_env
 __all__ = [
     "global_rank",
     "main",
+    "plot_ring_steps",
     "raise_on_rank",
     "rank_info",
     "rank_table",
@@ -206,6 +207,36 @@ def sampler_shards(dataset_len: int, batch_size: int, seed: int = 0) -> dict[str
         "steps_per_epoch": -(-len(indices) // batch_size),
         "global_batch": batch_size * world,
     }
+
+
+def plot_ring_steps(per_rank: list[list[list[int]]]) -> Any:
+    """Draw `ring_snapshots` results: one panel per step, ranks as rows, chunks as columns.
+
+    A cell's shade is how many ranks' numbers the chunk contains there; its label lists them.
+    Returns the matplotlib figure.
+    """
+    import matplotlib.pyplot as plt
+
+    world = len(per_rank)
+    n_steps = len(per_rank[0])
+    fig, axes = plt.subplots(1, n_steps, figsize=(2.1 * n_steps, 2.6), sharey=True)
+    for step, ax in enumerate(axes):
+        shade = [[bin(per_rank[r][step][c]).count("1") for c in range(world)] for r in range(world)]
+        ax.imshow(shade, cmap="Blues", vmin=0, vmax=world + 1)
+        for r in range(world):
+            for c in range(world):
+                mask = per_rank[r][step][c]
+                who = [str(k) for k in range(world) if mask >> k & 1]
+                label = "all" if len(who) == world else "+".join(who)
+                ax.text(c, r, label, ha="center", va="center", fontsize=8)
+        phase = "start" if step == 0 else ("reduce-scatter" if step < world else "all-gather")
+        number = "" if step == 0 else f" {step if step < world else step - world + 1}"
+        ax.set_title(phase + number, fontsize=9)
+        ax.set_xticks(range(world), [f"c{c}" for c in range(world)], fontsize=8)
+        ax.set_yticks(range(world), [f"rank {r}" for r in range(world)], fontsize=8)
+    fig.suptitle("Ring all-reduce: which ranks' numbers each chunk holds after each step")
+    fig.tight_layout()
+    return fig
 
 
 def raise_on_rank(bad_rank: int) -> int:
