@@ -1,0 +1,298 @@
+"""Chapters 2–3: data parallelism built by hand, a naive version and DDP's bucketed one.
+
+`NaiveDDP` waits for backward to finish and then all-reduces every gradient, one call per
+parameter: correct, simple, and slow, because the network sits idle during backward and pays
+one call's latency per tensor. `MiniDDP` does what ``DistributedDataParallel``'s Reducer does:
+
+1. at construction, rank 0's parameters and buffers are broadcast, so every replica starts
+   equal whatever each rank's seed was;
+2. parameters are grouped into buckets in reverse order (`refimpl.buckets.assign_buckets`);
+3. a post-accumulate-grad hook per parameter copies its gradient into its bucket's flat buffer
+   and marks it ready; a full bucket's all-reduce is launched asynchronously at once, while
+   backward keeps computing earlier layers (buckets start strictly in index order, so every
+   rank issues the same collectives in the same order);
+4. a callback queued on the autograd engine waits for every all-reduce at the end of backward
+   and writes the averaged gradient back into ``param.grad``.
+
+``no_sync()`` skips step 3 for gradient-accumulation micro-steps, and
+``find_unused_parameters=True`` marks parameters that the forward pass did not reach as ready
+(with a zero gradient) so their bucket is still reduced on every rank.
+``tests/test_ddp.py`` proves gradients and parameters equal ``DistributedDataParallel``'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from refimpl.buckets import assign_buckets
+
+__all__ = ["CommHook", "MiniDDP", "NaiveDDP", "broadcast_state", "fp16_compress_hook"]
+
+CommHook = Callable[[torch.Tensor], "torch.futures.Future[torch.Tensor]"]
+"""A communication hook: takes a bucket's flat gradient (already summed over micro-steps, not
+averaged) and returns a future whose value is the averaged bucket."""
+
+
+def broadcast_state(module: nn.Module) -> None:
+    """Overwrite every rank's parameters and buffers with rank 0's (DDP's construction step)."""
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(t.data, src=0)
+
+
+def fp16_compress_hook(bucket: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """Communication hook that all-reduces the bucket in float16: half the bytes on the wire.
+
+    Same arithmetic as PyTorch's ``default_hooks.fp16_compress_hook``: cast, divide by the
+    world size, all-reduce, cast back. The price is fp16 rounding (about 3 decimal digits)
+    and overflow above 65504.
+    """
+    compressed = bucket.to(torch.float16).div_(dist.get_world_size())
+    work = dist.all_reduce(compressed, async_op=True)
+    assert work is not None  # async_op=True always returns a Work
+    fut = work.get_future().then(lambda f: f.value()[0].to(bucket.dtype))
+    return cast("torch.futures.Future[torch.Tensor]", fut)
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """Every tensor inside a (nested) forward output."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in _tensors_in(v)]
+    return []
+
+
+def _reachable_params(output: Any) -> set[int]:
+    """ids of the parameters the autograd graph of ``output`` leads to (DDP's graph walk)."""
+    seen: set[Any] = set()
+    stack = [t.grad_fn for t in _tensors_in(output) if t.grad_fn is not None]
+    found: set[int] = set()
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        if hasattr(fn, "variable"):  # an AccumulateGrad node: a leaf, i.e. a parameter
+            found.add(id(fn.variable))
+        stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+    return found
+
+
+class _DDPBase(nn.Module):
+    """What both versions share: broadcast at construction, forward, ``no_sync``."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "MiniDDP/NaiveDDP need an initialised process group: call "
+                "dist.init_process_group first, or run under refimpl.launch.spawn / torchrun."
+            )
+        self.module = module
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.names = [n for n, p in module.named_parameters() if p.requires_grad]
+        self.require_sync = True
+        broadcast_state(module)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside this block backward only accumulates local gradients; the next backward
+        outside it all-reduces the accumulated sum (one all-reduce per optimizer step)."""
+        before, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = before
+
+
+class NaiveDDP(_DDPBase):
+    """Data parallelism without buckets or overlap: after backward, one blocking all-reduce
+    per parameter. Same interface as `MiniDDP`; the baseline it is measured against."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__(module)
+        self._queued = False
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+
+    def _on_grad(self, _: torch.Tensor) -> None:
+        # The only job of the hook is to run `_sync` once, after the whole backward.
+        if self.require_sync and not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._sync)
+
+    def _sync(self) -> None:
+        self._queued = False
+        for p in self.params:
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad.div_(self.world_size)
+
+
+class MiniDDP(_DDPBase):
+    """``DistributedDataParallel`` in miniature: buckets, per-parameter hooks, overlap.
+
+    ``bucket_cap_mb`` and ``first_bucket_mb`` (``None``: same as the cap, which is what
+    PyTorch does when you pass ``bucket_cap_mb`` explicitly) set the partition
+    (`refimpl.buckets.assign_buckets`). ``find_unused_parameters`` walks the autograd graph
+    after each forward and reduces a zero gradient for parameters it did not reach; without
+    it such a parameter's bucket never starts, and this rank raises at the end of backward
+    while the others wait for it. ``comm_hook`` replaces the all-reduce of a bucket (see
+    `fp16_compress_hook`). With ``trace=True`` every hook, launch and completion is
+    timestamped into ``self.events`` (``(time.perf_counter(), kind, index)``) for timelines.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        comm_hook: CommHook | None = None,
+        trace: bool = False,
+    ) -> None:
+        super().__init__(module)
+        self.find_unused_parameters = find_unused_parameters
+        self.comm_hook = comm_hook
+        self.trace = trace
+        self.events: list[tuple[float, str, int]] = []
+        self.buckets = assign_buckets(self.params, bucket_cap_mb, first_bucket_mb)
+        self.where: dict[int, tuple[int, int]] = {}  # param index -> (bucket, offset)
+        self.buffers_: list[torch.Tensor] = []
+        for b, bucket in enumerate(self.buckets):
+            offset = 0
+            for i in bucket:
+                self.where[i] = (b, offset)
+                offset += self.params[i].numel()
+            p0 = self.params[bucket[0]]
+            self.buffers_.append(torch.zeros(offset, dtype=p0.dtype, device=p0.device))
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                lambda _, i=i: self._on_grad(i)
+            )
+        self._reset()
+
+    def _reset(self) -> None:
+        self.pending = [len(b) for b in self.buckets]  # gradients each bucket still waits for
+        self.ready = [False] * len(self.params)
+        self.futures: list[torch.futures.Future[torch.Tensor]] = []
+        self.next_bucket = 0
+        self.backward_started = False
+        self.unused: list[int] = []
+
+    def _log(self, kind: str, index: int) -> None:
+        if self.trace:
+            self.events.append((time.perf_counter(), kind, index))
+
+    def _log_done(self, b: int, fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        self._log("done", b)  # runs on gloo's thread, the moment the all-reduce completes
+        return fut.value()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._reset()  # a backward that raised must not leak its half-filled buckets
+        out = self.module(*args, **kwargs)
+        if self.find_unused_parameters and self.require_sync and torch.is_grad_enabled():
+            reached = _reachable_params(out)
+            self.unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
+        return out
+
+    def _on_grad(self, i: int) -> None:
+        if not self.require_sync:
+            return  # no_sync(): the gradient just accumulates in p.grad
+        if not self.backward_started:
+            self.backward_started = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            for j in self.unused:  # reduce zeros for what the forward never touched
+                self._mark_ready(j, self.params[j].grad)
+        self._log("grad", i)
+        self._mark_ready(i, self.params[i].grad)
+
+    def _mark_ready(self, i: int, grad: torch.Tensor | None) -> None:
+        b, offset = self.where[i]
+        view = self.buffers_[b][offset : offset + self.params[i].numel()]
+        if grad is None:
+            view.zero_()
+        elif self.comm_hook is None:
+            # Divide while copying (as the Reducer does): the all-reduce then sums averages.
+            torch.mul(grad.reshape(-1), 1.0 / self.world_size, out=view)
+        else:
+            view.copy_(grad.reshape(-1))
+        self.ready[i] = True
+        self.pending[b] -= 1
+        # Launch full buckets strictly in order: every rank must issue the same sequence
+        # of collectives, whatever order its hooks happen to fire in.
+        while self.next_bucket < len(self.buckets) and self.pending[self.next_bucket] == 0:
+            self._launch(self.next_bucket)
+            self.next_bucket += 1
+
+    def _launch(self, b: int) -> None:
+        self._log("launch", b)
+        if self.comm_hook is not None:
+            fut = self.comm_hook(self.buffers_[b])
+        else:
+            work = dist.all_reduce(self.buffers_[b], async_op=True)
+            assert work is not None
+            fut = work.get_future().then(lambda f: f.value()[0])
+        if self.trace:
+            fut = fut.then(functools.partial(self._log_done, b))
+        self.futures.append(fut)
+
+    def _finish(self) -> None:
+        """End of backward: wait for every bucket, then write averages into ``param.grad``."""
+        for b, fut in enumerate(self.futures):
+            try:
+                result = fut.wait()
+                if result.data_ptr() != self.buffers_[b].data_ptr():  # a hook's new tensor
+                    self.buffers_[b].copy_(result)
+            except Exception as exc:  # gloo's timeout, or a peer that went away
+                names = [self.names[i] for i in self.buckets[b]]
+                raise RuntimeError(
+                    f"rank {self.rank}: the all-reduce of bucket {b} (parameters {names}) did "
+                    "not complete. Another rank never started it, usually because one of "
+                    "these parameters got no gradient there. Pass find_unused_parameters=True "
+                    "to MiniDDP, or make every parameter take part in the loss on every rank."
+                ) from exc
+        if self.next_bucket < len(self.buckets):
+            b = self.next_bucket
+            missing = [self.names[i] for i in self.buckets[b] if not self.ready[i]]
+            raise RuntimeError(
+                f"rank {self.rank}: backward finished but bucket {b} never filled: {missing} "
+                f"got no gradient, so the all-reduces of buckets {b}..{len(self.buckets) - 1} "
+                "never started and every other rank is waiting for them. Pass "
+                "find_unused_parameters=True to MiniDDP, or use every parameter in the loss."
+            )
+        self._log("finish", -1)
+        used = self._globally_used()
+        for i, p in enumerate(self.params):
+            b, offset = self.where[i]
+            averaged = self.buffers_[b][offset : offset + p.numel()].view_as(p)
+            if p.grad is not None:
+                p.grad.copy_(averaged)
+            elif used[i]:  # unused here but used elsewhere: it now has a gradient
+                p.grad = averaged.clone()
+        self.backward_started = False
+
+    def _globally_used(self) -> list[bool]:
+        """Which parameters some rank used (one tiny extra all-reduce, as DDP does), so a
+        parameter nobody used keeps ``grad=None`` instead of a zero gradient."""
+        if not self.find_unused_parameters:
+            return [True] * len(self.params)
+        flags = torch.tensor([0 if i in self.unused else 1 for i in range(len(self.params))])
+        dist.all_reduce(flags)
+        return [bool(f) for f in flags.tolist()]
