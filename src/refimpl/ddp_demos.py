@@ -59,7 +59,8 @@ class Branchy(nn.Module):
         h = torch.relu(self.inp(x))
         if use_branch:
             h = h + torch.relu(self.branch(h))
-        return self.out(h)
+        out: torch.Tensor = self.out(h)
+        return out
 
 
 def _batch(step: int, micro: int, n: int = 8, dim: int = 32) -> torch.Tensor:
@@ -74,9 +75,10 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 def broadcast_at_construction() -> tuple[float, float]:
     """Each rank seeds its model differently; returns (first weight before, after) MiniDDP."""
     model = make_mlp(seed=dist.get_rank())
-    before = float(model[0].weight[0, 0])
+    first = next(model.parameters())  # layer 0's weight
+    before = float(first[0, 0])
     MiniDDP(model)
-    return round(before, 4), round(float(model[0].weight[0, 0]), 4)
+    return round(before, 4), round(float(first[0, 0]), 4)
 
 
 def parity_with_torch_ddp(
@@ -177,7 +179,7 @@ def unused_parameter_step(find_unused: bool, hold_s: float = 0.0) -> str:
     start = time.monotonic()
     try:
         model(torch.ones(4, 8), use_branch=rank != 1).sum().backward()
-        p = model.module.branch.weight
+        p = dict(model.module.named_parameters())["branch.weight"]
         outcome = f"ok, branch.weight.grad is {'None' if p.grad is None else 'set'}"
     except RuntimeError as exc:
         if hold_s <= 0:
@@ -234,7 +236,7 @@ def amp_step() -> dict[str, str]:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(_batch(0, 0))
     out.float().pow(2).mean().backward()
-    grad = model.module[0].weight.grad
+    grad = next(model.module.parameters()).grad
     assert grad is not None
     flat = grad.reshape(-1).clone()
     other = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
