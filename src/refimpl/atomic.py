@@ -1,0 +1,258 @@
+"""Chapter 5: save a file or a directory so that a crash leaves the old version or the new one.
+
+A plain ``torch.save(obj, path)`` truncates ``path`` and then writes it: a process killed
+half-way (SIGKILL, OOM killer, a pre-empted node) leaves a torn file under the final name,
+and the next run's ``torch.load`` fails on it. Every writer here follows one protocol:
+
+1. write to a uniquely named temporary file *in the same directory* (so the rename in step
+   3 never crosses a filesystem),
+2. flush Python's buffer and ``fsync`` the file, so its bytes are on disk before its name is,
+3. ``os.replace`` it over the final name: on POSIX a reader sees the old file or the new
+   one, never a mix,
+4. ``fsync`` the directory, so the rename itself survives a power cut,
+
+and on any error removes the temporary file and re-raises. `atomic_dir` does the same for a
+directory of files, and writes a commit marker last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import secrets
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+__all__ = [
+    "COMMIT_MARKER",
+    "TEMP_TAG",
+    "atomic_dir",
+    "atomic_save",
+    "atomic_write",
+    "atomic_write_bytes",
+    "fsync_dir",
+    "remove_stale_temps",
+]
+
+TEMP_TAG = ".tmp-"
+"""Every temporary file or directory name contains this tag, then the writer's pid."""
+COMMIT_MARKER = "COMMITTED"
+"""`atomic_dir` writes this empty file last: a directory without it is not a checkpoint."""
+
+# Indirections the fault-injection harness (refimpl.faults) swaps to inject ENOSPC / EIO.
+_fsync: Callable[[int], None] = os.fsync
+_replace: Callable[[Any, Any], None] = os.replace
+
+
+def _open_temp(path: Path) -> tuple[IO[bytes], Path]:
+    """Create and open ``.NAME.tmp-PID-RANDOM`` next to ``path`` (exclusive, never reused)."""
+    tmp = path.with_name(f".{path.name}{TEMP_TAG}{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    return os.fdopen(fd, "wb"), tmp
+
+
+class _HashingFile:
+    """A write-only file wrapper that feeds every byte written into a sha256."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self._f = f
+        self.sha256 = hashlib.sha256()
+
+    def write(self, data: Any) -> int:
+        self.sha256.update(data)
+        return self._f.write(data)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def _root_oserror(exc: BaseException) -> OSError | None:
+    """The disk error behind ``exc``, if any.
+
+    torch.save's zip writer turns a failed write into ``RuntimeError: unexpected pos`` when
+    it closes the archive; the ENOSPC/EIO that caused it is only in the exception chain.
+    """
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno is not None:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """``fsync`` a directory, making the creations and renames inside it durable.
+
+    A rename only changes the directory; until the directory is synced, a power cut can
+    bring back the old entry. Windows cannot open a directory, so this is a no-op there.
+    """
+    if os.name == "nt":
+        return
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        _fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(
+    path: str | os.PathLike[str],
+    write: Callable[[IO[bytes]], Any],
+    *,
+    durable: bool = True,
+    sha256: bool = False,
+) -> str | None:
+    """Call ``write(f)`` on a temporary file, then move it over ``path`` atomically.
+
+    This is the protocol every other writer here uses: temp file in the same directory,
+    flush, fsync, ``os.replace``, fsync of the directory (``durable=False`` skips both
+    fsyncs: still atomic against a killed process, not against a power cut). On any error
+    the temporary file is removed, ``path`` is left as it was, and an ``OSError`` naming
+    ``path`` and the errno is raised. Returns the sha256 hex digest of the bytes written
+    when ``sha256=True`` (computed while writing, so the file is not read back), else None.
+
+    Example::
+
+        atomic_write("notes.txt", lambda f: f.write(b"hello"))
+    """
+    path = Path(path)
+    f, tmp = _open_temp(path)
+    try:
+        with f:
+            sink: Any = _HashingFile(f) if sha256 else f
+            write(sink)
+            f.flush()  # Python's buffer -> the kernel
+            if durable:
+                _fsync(f.fileno())  # the kernel's page cache -> the disk
+        _replace(tmp, path)  # atomic on POSIX: the old file or the new one, never a mix
+        if durable:
+            fsync_dir(path.parent)
+    except BaseException as exc:  # KeyboardInterrupt must clean up too
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        os_error = _root_oserror(exc)
+        if os_error is not None:
+            raise OSError(
+                os_error.errno,
+                f"atomic write of {path} failed ({os_error.strerror or os_error}); the previous "
+                f"{path.name} is untouched and the temporary file was removed. Check free "
+                "space and the disk (dmesg), then save again",
+            ) from exc
+        raise
+    return sink.sha256.hexdigest() if sha256 else None
+
+
+def atomic_write_bytes(
+    data: bytes | bytearray | memoryview, path: str | os.PathLike[str], *, durable: bool = True
+) -> Path:
+    """Write ``data`` to ``path`` atomically and durably; returns ``path`` as a `Path`.
+
+    Example::
+
+        atomic_write_bytes(b'{"step": 10}', "latest.json")
+    """
+    atomic_write(path, lambda f: f.write(data), durable=durable)
+    return Path(path)
+
+
+def atomic_save(obj: Any, path: str | os.PathLike[str], *, durable: bool = True) -> Path:
+    """``torch.save(obj, path)`` that a crash cannot tear; returns ``path`` as a `Path`.
+
+    After this returns, ``path`` holds ``obj`` and survives a power cut; if the process dies
+    first, ``path`` still holds whatever it held before (or does not exist).
+
+    Example::
+
+        atomic_save(model.state_dict(), "model.pt")
+    """
+    atomic_write(path, lambda f: torch.save(obj, f), durable=durable)
+    return Path(path)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file, then every directory bottom-up, under ``root``."""
+    for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                _fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(dirpath)
+
+
+@contextlib.contextmanager
+def atomic_dir(
+    path: str | os.PathLike[str], *, marker: str | None = COMMIT_MARKER, durable: bool = True
+) -> Iterator[Path]:
+    """Build a directory under a temporary name; publish it as ``path`` only if the block ends.
+
+    Yields an empty temporary directory next to ``path``. When the ``with`` block finishes
+    without an exception, every file in it is fsynced, the ``marker`` file is written last,
+    the directory is renamed to ``path`` (atomic on POSIX) and the parent is fsynced. If the
+    block raises, the temporary directory is deleted and ``path`` is not touched. ``path``
+    must not exist yet: renaming over a non-empty directory is not possible on POSIX.
+
+    Example::
+
+        with atomic_dir("ckpt/step_00000100") as tmp:
+            torch.save(model.state_dict(), tmp / "model.pt")
+    """
+    path = Path(path)
+    if path.exists():
+        raise FileExistsError(
+            f"{path} already exists; atomic_dir only creates new directories. Remove it or "
+            "pick a new name (checkpoints use one directory per step)."
+        )
+    tmp = path.with_name(f".{path.name}{TEMP_TAG}{os.getpid()}-{secrets.token_hex(4)}")
+    tmp.mkdir()
+    try:
+        yield tmp
+        if marker is not None:
+            (tmp / marker).touch()  # written last: its presence means "everything is here"
+        if durable:
+            _fsync_tree(tmp)
+        os.rename(tmp, path)
+        if durable:
+            fsync_dir(path.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_temps(directory: str | os.PathLike[str]) -> list[Path]:
+    """Delete temporary files and directories left in ``directory`` by dead writers.
+
+    A writer killed mid-save leaves its ``.NAME.tmp-PID-...`` behind. Entries whose PID is
+    still alive on this machine are kept (another writer may be mid-save); the rest are
+    removed. Returns what was removed, sorted.
+    """
+    removed = []
+    for entry in sorted(Path(directory).iterdir()):
+        if TEMP_TAG not in entry.name or not entry.name.startswith("."):
+            continue
+        pid_text = entry.name.rsplit(TEMP_TAG, 1)[1].split("-", 1)[0]
+        if pid_text.isdigit() and _pid_alive(int(pid_text)):  # our own pid counts as alive
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                entry.unlink()
+        removed.append(entry)
+    return removed

@@ -1,0 +1,326 @@
+"""Chapter 5: kill the saver and break the disk, then check what the next run can load.
+
+`kill_trials` starts a child process that saves one step after another (resuming where the
+previous child stopped, like a restarted trainer), SIGKILLs it at a random moment, and then
+checks what is on disk the way the next run would read it. Three writers are compared:
+
+- ``"plain"``: ``torch.save(state, "ckpt.pt")``, the code most trainers ship;
+- ``"atomic"``: `refimpl.atomic.atomic_save` to the same single file;
+- ``"checkpoint"``: `refimpl.checkpoint.save_checkpoint` + `load_latest`.
+
+After every kill the loaded state must be complete (it loads), equal to a state some save
+wrote, and no older than the last save that *returned*. `inject_io_error` makes the writer
+fail with ENOSPC / EIO instead. Run ``python -m refimpl.faults --kills 500`` for the long run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno as errno_mod
+import json
+import multiprocessing as mp
+import os
+import random
+import stat
+import sys
+import time
+import types
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from refimpl import atomic
+from refimpl.checkpoint import load_latest, save_checkpoint
+
+__all__ = [
+    "MODES",
+    "KillReport",
+    "inject_io_error",
+    "kill_trials",
+    "main",
+    "make_state",
+    "trace_io",
+]
+
+MODES = ("plain", "atomic", "checkpoint")
+"""The writers `kill_trials` can put under fire."""
+
+
+def make_state(step: int, numel: int = 1 << 18) -> dict[str, Any]:
+    """The state saved at ``step``: every value is derived from ``step``, so it is checkable."""
+    return {"model": {"w": torch.full((numel,), float(step))}, "meta": {"step": step}}
+
+
+def _matches(state: Any, step: int, numel: int) -> bool:
+    try:
+        return bool(
+            state["meta"]["step"] == step
+            and state["model"]["w"].shape == (numel,)
+            and torch.equal(state["model"]["w"], torch.full((numel,), float(step)))
+        )
+    except (KeyError, TypeError, AttributeError):
+        return False
+
+
+def _saver_child(mode: str, directory: str, start: int, numel: int, conn: Any) -> None:
+    """Child: save steps start, start+1, ... forever; report each step after it returns."""
+    torch.set_num_threads(1)
+    path = Path(directory, "ckpt.pt")
+    conn.send(-1)  # ready: the parent starts its kill timer now
+    step = start
+    while True:
+        state = make_state(step, numel)
+        if mode == "plain":
+            torch.save(state, path)
+        elif mode == "atomic":
+            atomic.atomic_save(state, path)
+        else:
+            save_checkpoint(directory, state, step, keep_last=2)
+        conn.send(step)
+        step += 1
+
+
+@dataclass
+class KillReport:
+    """What `kill_trials` found. ``torn`` counts kills after which the next run could not load
+    a complete, saved state; ``stale`` counts loads older than the last returned save."""
+
+    mode: str
+    kills: int = 0
+    torn: int = 0
+    stale: int = 0
+    skipped: int = 0  # checkpoint mode: steps load_latest had to skip (should stay 0)
+    saves_returned: int = 0
+    examples: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when no kill left a torn, stale or skipped checkpoint."""
+        return self.torn == 0 and self.stale == 0 and self.skipped == 0
+
+
+def _check(mode: str, directory: Path, last: int, numel: int, report: KillReport) -> None:
+    """Read ``directory`` as the next run would; count what is wrong with it."""
+    problems: list[str] = []
+    if mode == "checkpoint":
+        found = load_latest(directory, on_skip=lambda d, why: problems.append(f"skip {why}"))
+        report.skipped += len(problems)
+        step, state = found if found is not None else (0, None)
+    else:
+        try:
+            state = torch.load(directory / "ckpt.pt", map_location="cpu", weights_only=True)
+            step = int(state["meta"]["step"])
+        except FileNotFoundError:
+            step, state = 0, None
+        except Exception as exc:  # a torn zip raises several types
+            report.torn += 1
+            problems.append(f"torn: {type(exc).__name__}: {str(exc)[:100]}".splitlines()[0])
+            step, state = -1, None
+    if step > 0 and not _matches(state, step, numel):
+        report.torn += 1
+        problems.append(f"step {step} loads but differs from what was saved")
+    elif step >= 0 and step < last:
+        report.stale += 1
+        problems.append(f"loaded step {step}, but step {last} had returned")
+    if problems and len(report.examples) < 5:
+        report.examples.append(f"kill {report.kills}: {problems[0]}")
+
+
+def kill_trials(
+    mode: str,
+    directory: str | os.PathLike[str],
+    kills: int,
+    *,
+    seed: int = 0,
+    max_delay_s: float = 0.15,
+    numel: int = 1 << 18,
+    progress: bool = False,
+) -> KillReport:
+    """SIGKILL a saving child ``kills`` times at random moments; check the disk after each.
+
+    Every child resumes at the step after the last save that returned, as a restarted
+    trainer would; the kill lands uniformly in ``[0, max_delay_s]`` after the child is
+    ready (``seed`` fixes the schedule, not the outcome: the disk is faster some runs).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "refimpl.faults"])
+    rng = random.Random(seed)
+    report = KillReport(mode)
+    last = 0
+    bar: Any = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=kills, desc=f"kill {mode}", leave=False)
+    for _ in range(kills):
+        reader, writer = ctx.Pipe(duplex=False)
+        child = ctx.Process(
+            target=_saver_child, args=(mode, str(directory), last + 1, numel, writer)
+        )
+        with _main_hidden():
+            child.start()
+        writer.close()
+        if not reader.poll(60) or reader.recv() != -1:
+            child.kill()
+            raise RuntimeError(f"saver child (pid {child.pid}) never became ready")
+        time.sleep(rng.uniform(0.0, max_delay_s))
+        child.kill()  # SIGKILL: no handler, no finally, no flush
+        child.join()
+        with contextlib.suppress(EOFError, OSError):
+            while reader.poll():
+                last = max(last, reader.recv())
+                report.saves_returned += 1
+        reader.close()
+        report.kills += 1
+        _check(mode, directory, last, numel, report)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return report
+
+
+@contextlib.contextmanager
+def _main_hidden() -> Iterator[None]:
+    """Start a child without re-running ``__main__`` in it (as refimpl.launch does)."""
+    real = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = real
+
+
+class _FailingFile:
+    """A file that accepts ``after_bytes`` bytes, then fails like a full or broken disk."""
+
+    def __init__(self, f: IO[bytes], err: int, after_bytes: int) -> None:
+        self._f, self._err, self._left = f, err, after_bytes
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        if len(view) > self._left:
+            self._f.write(view[: self._left])  # a real ENOSPC also writes what fits first
+            self._left = 0
+            raise OSError(self._err, os.strerror(self._err))
+        self._left -= len(view)
+        return self._f.write(view)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+    def __enter__(self) -> _FailingFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._f.close()
+
+
+@contextlib.contextmanager
+def inject_io_error(
+    err: int = errno_mod.ENOSPC, *, after_bytes: int = 0, on: str = "write"
+) -> Iterator[None]:
+    """Make refimpl's writers fail with ``err`` (ENOSPC, EIO, ...) inside the block.
+
+    ``on="write"``: every temporary file accepts ``after_bytes`` bytes and then its next
+    write raises; ``on="fsync"``: every fsync raises (how a dying disk usually reports).
+    """
+    real_open, real_fsync = atomic._open_temp, atomic._fsync
+
+    def failing_open(path: Path) -> tuple[IO[bytes], Path]:
+        f, tmp = real_open(path)
+        return _FailingFile(f, err, after_bytes), tmp  # type: ignore[return-value]
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(err, os.strerror(err))
+
+    if on == "write":
+        atomic._open_temp = failing_open
+    elif on == "fsync":
+        atomic._fsync = failing_fsync
+    else:
+        raise ValueError(f"on must be 'write' or 'fsync', got {on!r}")
+    try:
+        yield
+    finally:
+        atomic._open_temp, atomic._fsync = real_open, real_fsync
+
+
+@contextlib.contextmanager
+def trace_io() -> Iterator[list[str]]:
+    """Record the durable-write steps refimpl.atomic takes (for the chapter's evidence)."""
+    events: list[str] = []
+    real_open, real_fsync, real_replace = atomic._open_temp, atomic._fsync, atomic._replace
+
+    def open_(path: Path) -> tuple[IO[bytes], Path]:
+        f, tmp = real_open(path)
+        events.append(f"create {tmp.name.split(atomic.TEMP_TAG)[0]}{atomic.TEMP_TAG}…")
+        return f, tmp
+
+    def fsync_(fd: int) -> None:
+        kind = "directory" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"
+        events.append(f"fsync {kind}")
+        real_fsync(fd)
+
+    def replace_(src: Any, dst: Any) -> None:
+        events.append(f"os.replace -> {Path(dst).name}")
+        real_replace(src, dst)
+
+    atomic._open_temp, atomic._fsync, atomic._replace = open_, fsync_, replace_
+    try:
+        yield events
+    finally:
+        atomic._open_temp, atomic._fsync, atomic._replace = real_open, real_fsync, real_replace
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m refimpl.faults --kills 500 [--modes plain,atomic,checkpoint] [--dir D]``."""
+    parser = argparse.ArgumentParser(prog="python -m refimpl.faults", description=__doc__)
+    parser.add_argument("--kills", type=int, default=500, help="kills per mode")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-delay", type=float, default=0.15)
+    parser.add_argument("--dir", default=None, help="where to save (default: a temp dir)")
+    parser.add_argument("--json", default=None, help="also write the reports here")
+    args = parser.parse_args(argv)
+    import tempfile
+
+    reports = []
+    with tempfile.TemporaryDirectory() as scratch:
+        base = Path(args.dir or scratch)
+        for mode in args.modes.split(","):
+            rep = kill_trials(
+                mode,
+                base / mode,
+                args.kills,
+                seed=args.seed,
+                max_delay_s=args.max_delay,
+                progress=True,
+            )
+            reports.append(rep)
+            print(
+                f"{mode:>10}: {rep.kills} kills, {rep.saves_returned} saves returned, "
+                f"torn {rep.torn}, stale {rep.stale}, skipped {rep.skipped}"
+            )
+            for ex in rep.examples[:3]:
+                print(f"{'':>12}e.g. {ex}")
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in reports], indent=2) + "\n")
+    safe = [r for r in reports if r.mode != "plain"]
+    return 0 if all(r.ok for r in safe) else 1
+
+
+if __name__ == "__main__":
+    # Run the imported module's main, so children pickle refimpl.faults._saver_child by its
+    # real name rather than as __main__._saver_child.
+    from refimpl.faults import main as _main
+
+    sys.exit(_main())

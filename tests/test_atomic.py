@@ -1,0 +1,131 @@
+"""refimpl.atomic: a crash or a failing disk leaves the old file or the new one, never a mix,
+and never a temporary file behind."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from refimpl.atomic import (
+    COMMIT_MARKER,
+    TEMP_TAG,
+    atomic_dir,
+    atomic_save,
+    atomic_write,
+    atomic_write_bytes,
+    remove_stale_temps,
+)
+from refimpl.faults import inject_io_error, trace_io
+
+DEAD_PID = 2**22 + 7  # above Linux's largest pid_max: no process can have it
+
+
+def _temps(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir() if TEMP_TAG in p.name)
+
+
+def test_atomic_save_round_trips_and_leaves_no_temp(tmp_path: Path) -> None:
+    state = {"w": torch.arange(10.0), "step": 3}
+    out = atomic_save(state, tmp_path / "ckpt.pt")
+    assert out == tmp_path / "ckpt.pt"
+    loaded = torch.load(out, weights_only=True)
+    assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 3
+    assert _temps(tmp_path) == []
+
+
+def test_the_durable_protocol_runs_in_order(tmp_path: Path) -> None:
+    with trace_io() as events:
+        atomic_write_bytes(b"new", tmp_path / "f.bin")
+    assert events == [
+        f"create .f.bin{TEMP_TAG}…",
+        "fsync file",
+        "os.replace -> f.bin",
+        "fsync directory",
+    ]
+
+
+def test_durable_false_skips_only_the_fsyncs(tmp_path: Path) -> None:
+    with trace_io() as events:
+        atomic_write_bytes(b"x", tmp_path / "f.bin", durable=False)
+    assert events == [f"create .f.bin{TEMP_TAG}…", "os.replace -> f.bin"]
+    assert (tmp_path / "f.bin").read_bytes() == b"x"
+
+
+def test_sha256_is_computed_while_writing(tmp_path: Path) -> None:
+    import hashlib
+
+    digest = atomic_write(tmp_path / "f.bin", lambda f: f.write(b"abc" * 1000), sha256=True)
+    assert digest == hashlib.sha256(b"abc" * 1000).hexdigest()
+
+
+def test_an_exception_in_the_writer_keeps_the_old_file(tmp_path: Path) -> None:
+    target = tmp_path / "f.bin"
+    target.write_bytes(b"old")
+
+    def half_then_fail(f):  # type: ignore[no-untyped-def]
+        f.write(b"half a new")
+        raise ValueError("serialiser crashed")
+
+    with pytest.raises(ValueError, match="serialiser crashed"):
+        atomic_write(target, half_then_fail)
+    assert target.read_bytes() == b"old"
+    assert _temps(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("err", "on"), [(errno.ENOSPC, "write"), (errno.EIO, "write"), (errno.EIO, "fsync")]
+)
+def test_disk_errors_keep_the_old_file_and_remove_the_temp(
+    tmp_path: Path, err: int, on: str
+) -> None:
+    target = tmp_path / "ckpt.pt"
+    atomic_save({"step": 1}, target)
+    with inject_io_error(err, after_bytes=100, on=on), pytest.raises(OSError) as info:
+        atomic_save({"w": torch.zeros(10_000), "step": 2}, target)
+    assert info.value.errno == err
+    assert str(target) in str(info.value) and "untouched" in str(info.value)
+    assert torch.load(target, weights_only=True) == {"step": 1}
+    assert _temps(tmp_path) == []
+
+
+def test_atomic_dir_publishes_everything_with_the_marker_last(tmp_path: Path) -> None:
+    final = tmp_path / "step_1"
+    with atomic_dir(final) as tmp:
+        assert tmp.parent == tmp_path and not final.exists()
+        (tmp / "a.bin").write_bytes(b"a")
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "b.bin").write_bytes(b"b")
+    assert sorted(p.name for p in final.rglob("*")) == [COMMIT_MARKER, "a.bin", "b.bin", "sub"]
+    assert _temps(tmp_path) == []
+
+
+def test_atomic_dir_publishes_nothing_if_the_block_fails(tmp_path: Path) -> None:
+    final = tmp_path / "step_1"
+    with pytest.raises(RuntimeError, match="mid-save"), atomic_dir(final) as tmp:
+        (tmp / "a.bin").write_bytes(b"a")
+        raise RuntimeError("mid-save")
+    assert not final.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_atomic_dir_refuses_an_existing_target(tmp_path: Path) -> None:
+    (tmp_path / "step_1").mkdir()
+    with pytest.raises(FileExistsError, match="already exists"), atomic_dir(tmp_path / "step_1"):
+        pass
+
+
+def test_stale_temps_of_dead_writers_are_removed_live_ones_kept(tmp_path: Path) -> None:
+    dead_file = tmp_path / f".ckpt.pt{TEMP_TAG}{DEAD_PID}-abcd"
+    dead_dir = tmp_path / f".step_00000001{TEMP_TAG}{DEAD_PID}-beef"
+    live = tmp_path / f".ckpt.pt{TEMP_TAG}{os.getpid()}-cafe"
+    dead_file.write_bytes(b"torn")
+    dead_dir.mkdir()
+    (dead_dir / "model.pt").write_bytes(b"torn")
+    live.write_bytes(b"in progress")
+    (tmp_path / "ckpt.pt").write_bytes(b"keep")
+    assert remove_stale_temps(tmp_path) == sorted([dead_file, dead_dir])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "ckpt.pt"])

@@ -1,0 +1,243 @@
+"""refimpl.checkpoint: only complete, verified checkpoints are loaded; every corruption is
+named; load_latest falls back and says why; nothing is ever unpickled unsafely."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+from refimpl.atomic import COMMIT_MARKER, TEMP_TAG
+from refimpl.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    list_checkpoints,
+    load_checkpoint,
+    load_latest,
+    safe_load,
+    save_checkpoint,
+    step_dir_name,
+    verify_checkpoint,
+)
+from refimpl.faults import inject_io_error, make_state
+
+DEAD_PID = 2**22 + 7
+
+
+def _steps(d: Path) -> list[int]:
+    return [s for s, _ in list_checkpoints(d)]
+
+
+def _same(a: dict, b: dict) -> bool:  # type: ignore[type-arg]
+    return a["meta"] == b["meta"] and torch.equal(a["model"]["w"], b["model"]["w"])
+
+
+def test_save_then_load_latest_round_trips(tmp_path: Path) -> None:
+    path = save_checkpoint(tmp_path, make_state(7, 100), 7)
+    assert path == tmp_path / "step_00000007"
+    assert sorted(p.name for p in path.iterdir()) == [
+        COMMIT_MARKER,
+        MANIFEST,
+        "meta.pt",
+        "model.pt",
+    ]
+    manifest = json.loads((path / MANIFEST).read_text())
+    assert manifest["step"] == 7 and sorted(manifest["files"]) == ["meta.pt", "model.pt"]
+    step, state = load_latest(tmp_path)  # type: ignore[misc]
+    assert step == 7 and _same(state, make_state(7, 100))
+
+
+def test_empty_or_missing_directory_loads_nothing(tmp_path: Path) -> None:
+    assert load_latest(tmp_path / "nope") is None
+    assert load_latest(tmp_path) is None
+
+
+def test_keep_last_keeps_the_newest_n(tmp_path: Path) -> None:
+    for step in range(1, 6):
+        save_checkpoint(tmp_path, make_state(step, 10), step, keep_last=2)
+    assert _steps(tmp_path) == [4, 5]
+    save_checkpoint(tmp_path, make_state(6, 10), 6, keep_last=1)
+    assert _steps(tmp_path) == [6]
+
+
+def test_keep_last_never_deletes_newer_steps_than_the_one_saved(tmp_path: Path) -> None:
+    for step in (10, 20, 30):
+        save_checkpoint(tmp_path, make_state(step, 10), step, keep_last=None)
+    # A resumed run saves step 15: step 30 (newer, from the earlier run) is left alone.
+    save_checkpoint(tmp_path, make_state(15, 10), 15, keep_last=1)
+    assert _steps(tmp_path) == [15, 20, 30]
+    assert load_latest(tmp_path)[0] == 30  # type: ignore[index]
+
+
+def test_resaving_a_step_replaces_it(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, {"meta": {"v": 1}}, 3)
+    save_checkpoint(tmp_path, {"meta": {"v": 2}}, 3)
+    assert load_latest(tmp_path) == (3, {"meta": {"v": 2}})
+    assert [p.name for p in tmp_path.iterdir()] == ["step_00000003"]
+
+
+def _truncate(p: Path) -> None:
+    p.write_bytes(p.read_bytes()[:-100])
+
+
+def _flip_bit(p: Path) -> None:
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    p.write_bytes(bytes(data))
+
+
+def _wrong_manifest(step_dir: Path) -> None:
+    m = json.loads((step_dir / MANIFEST).read_text())
+    m["files"]["model.pt"]["sha256"] = "0" * 64
+    (step_dir / MANIFEST).write_text(json.dumps(m))
+
+
+CORRUPTIONS = {
+    "truncated": (lambda d: _truncate(d / "model.pt"), "model.pt", "manifest says"),
+    "flipped bit": (lambda d: _flip_bit(d / "model.pt"), "model.pt", "sha256 mismatch"),
+    "missing file": (lambda d: (d / "model.pt").unlink(), "model.pt", "missing"),
+    "manifest mismatch": (_wrong_manifest, "model.pt", "sha256 mismatch"),
+    "no manifest": (lambda d: (d / MANIFEST).unlink(), MANIFEST, "manifest missing"),
+    "no marker": (lambda d: (d / COMMIT_MARKER).unlink(), "step_00000002", "incomplete"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CORRUPTIONS))
+def test_corruption_is_named_and_load_latest_falls_back(tmp_path: Path, kind: str) -> None:
+    corrupt, bad_name, why = CORRUPTIONS[kind]
+    save_checkpoint(tmp_path, make_state(1, 1000), 1)
+    newest = save_checkpoint(tmp_path, make_state(2, 1000), 2)
+    corrupt(newest)
+    with pytest.raises(CheckpointError, match=why) as info:
+        verify_checkpoint(newest)
+    assert info.value.path.name == bad_name
+    skipped: list[tuple[str, str]] = []
+    found = load_latest(tmp_path, on_skip=lambda d, r: skipped.append((d.name, r)))
+    assert found is not None and found[0] == 1 and _same(found[1], make_state(1, 1000))
+    assert len(skipped) == 1 and skipped[0][0] == "step_00000002"
+    assert why in skipped[0][1] and (bad_name in skipped[0][1] or bad_name == "step_00000002")
+
+
+def test_default_fallback_report_is_a_logged_warning(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    save_checkpoint(tmp_path, make_state(1, 10), 1)
+    _flip_bit(save_checkpoint(tmp_path, make_state(2, 10), 2) / "model.pt")
+    assert load_latest(tmp_path)[0] == 1  # type: ignore[index]
+    assert "skipped step_00000002" in caplog.text and "sha256 mismatch" in caplog.text
+
+
+def test_every_checkpoint_corrupt_loads_nothing_and_says_so(tmp_path: Path) -> None:
+    for step in (1, 2):
+        _truncate(save_checkpoint(tmp_path, make_state(step, 100), step) / "model.pt")
+    skipped: list[str] = []
+    assert load_latest(tmp_path, on_skip=lambda d, r: skipped.append(d.name)) is None
+    assert skipped == ["step_00000002", "step_00000001"]
+
+
+def test_nothing_is_deserialised_before_it_verifies(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    _flip_bit(save_checkpoint(tmp_path, make_state(1, 100), 1) / "model.pt")
+    calls: list[object] = []
+    monkeypatch.setattr(torch, "load", lambda *a, **k: calls.append(a))
+    assert load_latest(tmp_path, on_skip=lambda d, r: None) is None
+    assert calls == []
+
+
+@pytest.mark.parametrize(("err", "on"), [(errno.ENOSPC, "write"), (errno.EIO, "fsync")])
+def test_disk_errors_keep_the_previous_checkpoint(tmp_path: Path, err: int, on: str) -> None:
+    save_checkpoint(tmp_path, make_state(1, 1000), 1)
+    with inject_io_error(err, after_bytes=500, on=on), pytest.raises(CheckpointError) as info:
+        save_checkpoint(tmp_path, make_state(2, 1000), 2)
+    assert "step_00000002" in str(info.value) and os.strerror(err) in str(info.value)
+    assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]  # no temps left
+    assert load_latest(tmp_path)[0] == 1  # type: ignore[index]
+
+
+def test_a_failed_resave_restores_the_old_copy_of_that_step(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, {"meta": {"v": 1}}, 3)
+    with inject_io_error(errno.ENOSPC), pytest.raises(CheckpointError):
+        save_checkpoint(tmp_path, {"meta": {"v": 2}}, 3)
+    assert load_latest(tmp_path) == (3, {"meta": {"v": 1}})
+
+
+def test_stale_temps_are_cleaned_on_the_next_save(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, make_state(1, 10), 1)
+    stale_dir = tmp_path / f".step_00000002{TEMP_TAG}{DEAD_PID}-0001"
+    stale_dir.mkdir()
+    (stale_dir / "model.pt").write_bytes(b"half")
+    (tmp_path / f".MANIFEST.json{TEMP_TAG}{DEAD_PID}-0002").write_bytes(b"{")
+    assert load_latest(tmp_path)[0] == 1  # type: ignore[index]  # temps are never candidates
+    save_checkpoint(tmp_path, make_state(2, 10), 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000002"]
+
+
+def test_bad_arguments_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="keep_last"):
+        save_checkpoint(tmp_path, {"a": 1}, 1, keep_last=0)
+    with pytest.raises(ValueError, match="file-name-safe"):
+        save_checkpoint(tmp_path, {"../evil": 1}, 1)
+    with pytest.raises(ValueError, match="step must be"):
+        step_dir_name(-1)
+
+
+class _RunsACommand:
+    """Unpickling this runs a shell command: the classic malicious checkpoint."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (os.system, (f"touch {shlex.quote(str(self.marker))}",))
+
+
+def test_the_crafted_payload_is_live(tmp_path: Path) -> None:
+    """Control: full unpickling really runs the command, so the next test proves something."""
+    marker = tmp_path / "pwned"
+    pickle.loads(pickle.dumps(_RunsACommand(marker)))
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("container", ["torch.save", "raw pickle"])
+def test_safe_load_refuses_a_crafted_pickle_and_never_runs_it(
+    tmp_path: Path, container: str, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.pt"
+    payload = {"model": {"w": torch.ones(2)}, "extra": _RunsACommand(marker)}
+    if container == "torch.save":
+        torch.save(payload, evil)
+    else:
+        evil.write_bytes(pickle.dumps(payload, protocol=2))
+    real_load = torch.load
+    calls: list[object] = []
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(kwargs.get("weights_only"))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    with pytest.raises(CheckpointError, match="refused") as info:
+        safe_load(evil)
+    assert info.value.path == evil and "weights_only=False" in str(info.value)
+    assert calls == [True]  # one attempt, weights-only, and no retry
+    assert not marker.exists()
+
+
+def test_safe_load_names_a_truncated_file(tmp_path: Path) -> None:
+    path = tmp_path / "t.pt"
+    torch.save({"w": torch.ones(1000)}, path)
+    _truncate(path)
+    with pytest.raises(CheckpointError, match="cannot be read") as info:
+        safe_load(path)
+    assert info.value.path == path
+
+
+def test_load_checkpoint_returns_every_key(tmp_path: Path) -> None:
+    state = {"model": {"w": torch.ones(3)}, "optim": {"lr": 0.1}, "meta": {"step": 4}}
+    loaded = load_checkpoint(save_checkpoint(tmp_path, state, 4))
+    assert sorted(loaded) == ["meta", "model", "optim"] and loaded["optim"] == {"lr": 0.1}
