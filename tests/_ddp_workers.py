@@ -1,0 +1,69 @@
+"""Test-only workers for tests/test_ddp.py (workers must live in an importable module)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from refimpl.ddp import MiniDDP, NaiveDDP
+from refimpl.ddp_demos import Branchy, make_mlp
+
+
+def _gather_equal(t: torch.Tensor) -> bool:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return all(torch.equal(parts[0], p) for p in parts)
+
+
+def unused_parity(rank_that_skips: int | None) -> dict[str, object]:
+    """DDP(find_unused_parameters=True) vs MiniDDP(find_unused_parameters=True) when one rank
+    (or, with None, every rank) skips the branch."""
+    base = Branchy(seed=dist.get_rank())
+    ref = DDP(copy.deepcopy(base), find_unused_parameters=True)
+    mine = MiniDDP(copy.deepcopy(base), find_unused_parameters=True, bucket_cap_mb=0.0005)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+    use = rank_that_skips is not None and dist.get_rank() != rank_that_skips
+    for model in (ref, mine):
+        model(x, use_branch=use).sum().backward()
+    grads = {}
+    for (name, p), q in zip(ref.module.named_parameters(), mine.module.parameters(), strict=True):
+        if p.grad is None or q.grad is None:
+            grads[name] = (p.grad is None, q.grad is None)
+        else:
+            grads[name] = float((p.grad - q.grad).abs().max())
+    return grads
+
+
+def no_sync_keeps_grads_local() -> dict[str, object]:
+    """A backward inside no_sync() launches nothing and leaves local gradients unequal."""
+    model = MiniDDP(make_mlp(), bucket_cap_mb=0.01)
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(dist.get_rank()))
+    with model.no_sync():
+        model(x).sum().backward()
+    first = next(model.parameters()).grad
+    assert first is not None
+    local = {"launched": len(model.futures), "equal": _gather_equal(first)}
+    model(x).sum().backward()
+    return {"inside": local, "after": (len(model.futures), _gather_equal(first))}
+
+
+def naive_matches_mini() -> float:
+    """NaiveDDP and MiniDDP give the same averaged gradients."""
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(dist.get_rank()))
+    grads = []
+    for wrap in (NaiveDDP, MiniDDP):
+        model = wrap(make_mlp(seed=dist.get_rank()))
+        model(x).pow(2).sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    return max(float((a - b).abs().max()) for a, b in zip(*grads, strict=True))
+
+
+def buffers_broadcast() -> bool:
+    """Buffers (BatchNorm running stats) come from rank 0 too."""
+    bn = torch.nn.BatchNorm1d(4)
+    bn.running_mean.fill_(float(dist.get_rank()))
+    MiniDDP(bn)
+    return bool(torch.all(bn.running_mean == 0))
