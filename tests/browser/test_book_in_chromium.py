@@ -1,0 +1,115 @@
+"""Open every page of the built book in headless Chromium and check what a reader sees.
+
+Run after `make book`: `make browser-test`. Uses Debian's chromium (apt-get install chromium),
+driven by Playwright for Python; no browser is downloaded. Screenshots go to
+_build/screenshots/.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import nbformat
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+HTML = ROOT / "_build" / "html"
+SHOTS = ROOT / "_build" / "screenshots"
+CHROMIUM = "/usr/bin/chromium"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+# The book theme logs exactly this harmless error on every page; anything else fails.
+ALLOWED_CONSOLE_ERRORS = ("Got invalid theme mode",)
+
+
+def _toc_files() -> list[str]:
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    files = [toc["root"]]
+    for part in toc.get("parts", []):
+        files += [chapter["file"] for chapter in part["chapters"]]
+    return files
+
+
+def _expected(doc: str) -> tuple[str, int]:
+    """The page's title and how many figures its source has."""
+    nb_path = ROOT / f"{doc}.ipynb"
+    if nb_path.exists():
+        nb = nbformat.read(nb_path, as_version=4)
+        title = nb.cells[0].source.splitlines()[0].lstrip("# ").strip()
+        figures = sum(
+            "image/png" in out.get("data", {})
+            for cell in nb.cells
+            if cell.cell_type == "code"
+            for out in cell.outputs
+        )
+        return title, figures
+    text = (ROOT / f"{doc}.md").read_text()
+    return text.splitlines()[0].lstrip("# ").strip(), len(re.findall(r"!\[", text))
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # one line per file is noise
+        pass
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    if not (HTML / "index.html").exists():
+        pytest.fail("the book is not built: run `make book` first", pytrace=False)
+    handler = functools.partial(_QuietHandler, directory=str(HTML))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def browser():  # type: ignore[no-untyped-def]
+    playwright = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} missing: apt-get install -y chromium", pytrace=False)
+    with playwright.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        yield b
+        b.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("doc", _toc_files())
+def test_page_renders_title_and_figures_without_errors(browser, base_url: str, doc: str) -> None:  # type: ignore[no-untyped-def]
+    title, n_figures = _expected(doc)
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("response", lambda r: errors.append(f"HTTP {r.status} {r.url}") if r.status >= 400 else None)
+    response = page.goto(f"{base_url}/{doc}.html", wait_until="load")
+    assert response is not None and response.ok, f"{doc}.html: HTTP {response and response.status}"
+
+    h1 = page.locator("article h1").first.inner_text().replace("\u2019", "'")  # smart quotes
+    assert title in h1, f"{doc}: expected title {title!r}, page shows {h1!r}"
+
+    images = page.locator("article img")
+    assert images.count() >= n_figures, f"{doc}: {images.count()} images, expected {n_figures}"
+    for i in range(images.count()):
+        img = images.nth(i)
+        img.scroll_into_view_if_needed()
+        width = img.evaluate("el => el.complete ? el.naturalWidth : 0")
+        assert width > 0, f"{doc}: image {i} ({img.get_attribute('src')}) did not load"
+
+    body = page.locator("article").inner_text()
+    assert "Traceback (most recent call last)" not in body, f"{doc}: a Python traceback shows"
+    assert "Error" not in page.title()
+
+    unexpected = [e for e in errors if not any(a in e for a in ALLOWED_CONSOLE_ERRORS)]
+    assert not unexpected, f"{doc}: console errors {unexpected}"
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / f"{doc.replace('/', '__')}.png"), full_page=True)
+    page.close()
