@@ -24,14 +24,14 @@ import signal
 import sys
 import tempfile
 import time
-import traceback
-import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from refimpl._rank_process import TCPStore, bootstrap, kill_all, main_module_hidden, read_log
 
 __all__ = [
     "DEFAULT_PG_TIMEOUT_S",
@@ -48,7 +48,6 @@ DEFAULT_TIMEOUT_S = 60.0
 """Wall-clock limit of a whole `spawn` job, in seconds."""
 DEFAULT_PG_TIMEOUT_S = 30.0
 """Default limit of one collective inside the process group, in seconds."""
-TCPStore = dist.TCPStore  # type: ignore[attr-defined]  # not in torch.distributed's __all__
 _PEER_GONE = ("gloo/transport", "Connection closed", "Connection reset", "communicator was aborted")
 _COLLATERAL_GRACE_S = 1.0  # how long to wait for the root cause after the first failure
 
@@ -136,101 +135,6 @@ def _importable(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process if its parent dies, so no rank is orphaned."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        libc = ctypes.CDLL(None)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-
-
-def _bootstrap(
-    rank: int,
-    world_size: int,
-    store_port: int,
-    backend: str,
-    pg_timeout_s: float,
-    env: dict[str, str],
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    results: Any,
-    log_path: str | None,
-) -> None:
-    """Body of every worker process: set up the group, run ``fn``, report back."""
-    os.setpgrp()  # own process group: the launcher kills the rank and its children at once
-    _die_with_parent()
-    if log_path is not None:
-        # Ranks write to their own file, never to the notebook: N ranks printing at once
-        # would interleave nondeterministically (ipykernel forwards fd 1 and 2 to the page).
-        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(log_fd, 1)
-        os.dup2(log_fd, 2)
-        os.close(log_fd)
-    os.environ.clear()
-    os.environ.update(env)
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(store_port),
-    )
-    torch.set_num_threads(1)  # N ranks share a few cores; oversubscription distorts timings
-    try:
-        timeout = datetime.timedelta(seconds=pg_timeout_s)
-        store = TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
-        )
-        try:
-            value = fn(*args)
-        finally:
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-        results.put((rank, "ok", pickle.dumps(value)))
-    except BaseException as exc:  # everything, even SystemExit, must reach the launcher
-        text = traceback.format_exc()
-        try:
-            payload = pickle.dumps(exc)
-            pickle.loads(payload)
-        except Exception:  # some exceptions do not survive pickling
-            payload = b""
-        results.put((rank, "error", (type(exc).__name__, str(exc), text, payload)))
-
-
-@contextlib.contextmanager
-def _main_module_hidden() -> Iterator[None]:
-    """Start children without re-running the caller's ``__main__`` in them.
-
-    multiprocessing re-imports the parent's main script in every child, which runs an
-    unguarded script's top level again (and starts more processes). Workers never need
-    ``__main__`` (`_importable` refused functions from it), so hide it while starting.
-    """
-    real_main = sys.modules["__main__"]
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        sys.modules["__main__"] = real_main
-
-
-def _kill_all(procs: Sequence[Any]) -> None:
-    """SIGKILL every rank's process group (the rank and whatever it started), then reap."""
-    for proc in procs:
-        if proc.pid is None:
-            continue
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(proc.pid, signal.SIGKILL)
-    for proc in procs:
-        if proc.pid is not None:
-            proc.join(timeout=10)
-
-
 def _is_collateral(failure: tuple[int, str, str, str, Any]) -> bool:
     """A distributed error on a rank whose peer already died is a symptom, not the cause."""
     exc, message = failure[4], failure[2]
@@ -282,7 +186,7 @@ def spawn(
     if start_method == "forkserver":
         # Workers fork from a server that has torch imported already: ~10 ms a rank
         # instead of the ~2 s a fresh interpreter needs to import torch.
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "refimpl.launch"])
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "refimpl._rank_process"])
     if rank_output not in ("hide", "show", "inherit"):
         raise ValueError(f"rank_output must be 'hide', 'show' or 'inherit', not {rank_output!r}")
     log_dir = None if rank_output == "inherit" else tempfile.mkdtemp(prefix="refimpl-ranks-")
@@ -295,7 +199,7 @@ def spawn(
     env = dict(os.environ)
     procs = [
         ctx.Process(
-            target=_bootstrap,
+            target=bootstrap,
             args=(
                 r,
                 world_size,
@@ -314,34 +218,24 @@ def spawn(
         for r in range(world_size)
     ]
     try:
-        with _main_module_hidden():
+        with main_module_hidden():
             for proc in procs:
                 proc.start()
         values = _collect(procs, results, timeout_s)
         if rank_output == "show":
             for r in range(world_size):
-                for line in _read(logs[r]).splitlines():
+                for line in read_log(logs[r]).splitlines():
                     print(f"[rank {r}] {line}")
         return values
     except WorkerError as err:
-        err.output = _read(logs[err.rank])
+        err.output = read_log(logs[err.rank])
         raise
     finally:
-        _kill_all(procs)
+        kill_all(procs)
         results.close()
         if log_dir is not None:
             shutil.rmtree(log_dir, ignore_errors=True)
         del store
-
-
-def _read(path: str | None) -> str:
-    if path is None:
-        return ""
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""
 
 
 def _collect(procs: Sequence[Any], results: Any, timeout_s: float) -> list[Any]:

@@ -1,0 +1,129 @@
+"""The plumbing of one rank's process: how `refimpl.launch.spawn` starts, sets up and kills it.
+
+Kept apart from `refimpl.launch` so the launcher's logic (what to wait for, which failure is
+the root cause) reads without the operating-system details (process groups, death signals,
+file descriptors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import pickle
+import signal
+import sys
+import traceback
+import types
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+TCPStore = dist.TCPStore  # type: ignore[attr-defined]  # not in torch.distributed's __all__
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process if its parent dies, so no rank is orphaned."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def bootstrap(
+    rank: int,
+    world_size: int,
+    store_port: int,
+    backend: str,
+    pg_timeout_s: float,
+    env: dict[str, str],
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+    log_path: str | None,
+) -> None:
+    """Body of every worker process: set up the group, run ``fn``, report back."""
+    os.setpgrp()  # own process group: the launcher kills the rank and its children at once
+    die_with_parent()
+    if log_path is not None:
+        # Ranks write to their own file, never to the notebook: N ranks printing at once
+        # would interleave nondeterministically (ipykernel forwards fd 1 and 2 to the page).
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(store_port),
+    )
+    torch.set_num_threads(1)  # N ranks share a few cores; oversubscription distorts timings
+    try:
+        timeout = datetime.timedelta(seconds=pg_timeout_s)
+        store = TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
+        try:
+            value = fn(*args)
+        finally:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+        results.put((rank, "ok", pickle.dumps(value)))
+    except BaseException as exc:  # everything, even SystemExit, must reach the launcher
+        text = traceback.format_exc()
+        try:
+            payload = pickle.dumps(exc)
+            pickle.loads(payload)
+        except Exception:  # some exceptions do not survive pickling
+            payload = b""
+        results.put((rank, "error", (type(exc).__name__, str(exc), text, payload)))
+
+
+@contextlib.contextmanager
+def main_module_hidden() -> Iterator[None]:
+    """Start children without re-running the caller's ``__main__`` in them.
+
+    multiprocessing re-imports the parent's main script in every child, which runs an
+    unguarded script's top level again (and starts more processes). Workers never need
+    ``__main__`` (`refimpl.launch` refuses functions from it), so hide it while starting.
+    """
+    real_main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = real_main
+
+
+def kill_all(procs: Sequence[Any]) -> None:
+    """SIGKILL every rank's process group (the rank and whatever it started), then reap."""
+    for proc in procs:
+        if proc.pid is None:
+            continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(proc.pid, signal.SIGKILL)
+    for proc in procs:
+        if proc.pid is not None:
+            proc.join(timeout=10)
+
+
+def read_log(path: str | None) -> str:
+    if path is None:
+        return ""
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
