@@ -88,7 +88,9 @@ def test_page_renders_title_and_figures_without_errors(browser, base_url: str, d
     errors: list[str] = []
     page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
     page.on("pageerror", lambda e: errors.append(str(e)))
-    page.on("response", lambda r: errors.append(f"HTTP {r.status} {r.url}") if r.status >= 400 else None)
+    page.on(
+        "response", lambda r: errors.append(f"HTTP {r.status} {r.url}") if r.status >= 400 else None
+    )
     response = page.goto(f"{base_url}/{doc}.html", wait_until="load")
     assert response is not None and response.ok, f"{doc}.html: HTTP {response and response.status}"
 
