@@ -1,0 +1,25 @@
+"""Test-only workers for tests/test_sync.py (importable by name, as spawn requires)."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from refimpl.sync import MainProcessFailed, barrier_safe, main_process_first
+
+
+def what_each_rank_sees_when_rank0_fails() -> str:
+    try:
+        with main_process_first(timeout_s=30) as is_main:
+            if is_main:
+                raise ValueError("rank 0 broke while preparing")
+        return "no error"
+    except MainProcessFailed:
+        return "MainProcessFailed"
+    except ValueError:
+        return "ValueError"
+
+
+def single_rank_helpers() -> tuple[int, bool]:
+    barrier_safe(timeout_s=5, monitored=True)  # world size 1: nothing to wait for
+    with main_process_first() as is_main:
+        return dist.get_world_size(), is_main
