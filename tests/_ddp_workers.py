@@ -12,12 +12,6 @@ from refimpl.ddp import MiniDDP, NaiveDDP
 from refimpl.ddp_demos import Branchy, make_mlp
 
 
-def _gather_equal(t: torch.Tensor) -> bool:
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.contiguous())
-    return all(torch.equal(parts[0], p) for p in parts)
-
-
 def unused_parity(rank_that_skips: int | None) -> dict[str, object]:
     """DDP(find_unused_parameters=True) vs MiniDDP(find_unused_parameters=True) when one rank
     (or, with None, every rank) skips the branch."""
@@ -35,19 +29,6 @@ def unused_parity(rank_that_skips: int | None) -> dict[str, object]:
         else:
             grads[name] = float((p.grad - q.grad).abs().max())
     return grads
-
-
-def no_sync_keeps_grads_local() -> dict[str, object]:
-    """A backward inside no_sync() launches nothing and leaves local gradients unequal."""
-    model = MiniDDP(make_mlp(), bucket_cap_mb=0.01)
-    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(dist.get_rank()))
-    with model.no_sync():
-        model(x).sum().backward()
-    first = next(model.parameters()).grad
-    assert first is not None
-    local = {"launched": len(model.futures), "equal": _gather_equal(first)}
-    model(x).sum().backward()
-    return {"inside": local, "after": (len(model.futures), _gather_equal(first))}
 
 
 def naive_matches_mini() -> float:

@@ -23,6 +23,7 @@ from refimpl.ddp import MiniDDP
 from refimpl.ddp_demos import (
     hook_and_launch_order,
     make_mlp,
+    no_sync_step,
     parity_with_torch_ddp,
     torch_ddp_buckets,
     unused_parameter_step,
@@ -145,8 +146,9 @@ def test_the_waiting_rank_times_out_with_an_explanation() -> None:
 
 
 def test_no_sync_launches_nothing_and_the_next_backward_syncs() -> None:
-    for r in spawn(_ddp_workers.no_sync_keeps_grads_local, 2, timeout_s=60):
-        assert r == {"inside": {"launched": 0, "equal": False}, "after": (2, True)}
+    for r in spawn(no_sync_step, 2, timeout_s=60):
+        assert r["inside no_sync"] == {"all-reduces launched": 0, "grads equal across ranks": False}
+        assert r["next backward"] == {"all-reduces launched": 2, "grads equal across ranks": True}
 
 
 def test_naive_and_mini_agree_and_buffers_come_from_rank0() -> None:

@@ -92,7 +92,7 @@ def _reachable_params(output: Any) -> set[int]:
 class _DDPBase(nn.Module):
     """What both versions share: broadcast at construction, forward, ``no_sync``."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, trace: bool = False) -> None:
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError(
@@ -105,7 +105,13 @@ class _DDPBase(nn.Module):
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.names = [n for n, p in module.named_parameters() if p.requires_grad]
         self.require_sync = True
+        self.trace = trace
+        self.events: list[tuple[float, str, int]] = []  # (perf_counter, kind, index)
         broadcast_state(module)
+
+    def _log(self, kind: str, index: int) -> None:
+        if self.trace:
+            self.events.append((time.perf_counter(), kind, index))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -125,13 +131,15 @@ class NaiveDDP(_DDPBase):
     """Data parallelism without buckets or overlap: after backward, one blocking all-reduce
     per parameter. Same interface as `MiniDDP`; the baseline it is measured against."""
 
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__(module)
+    def __init__(self, module: nn.Module, trace: bool = False) -> None:
+        super().__init__(module, trace)
         self._queued = False
+        self._index = {id(p): i for i, p in enumerate(self.params)}
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
 
-    def _on_grad(self, _: torch.Tensor) -> None:
+    def _on_grad(self, param: torch.Tensor) -> None:
+        self._log("grad", self._index[id(param)])
         # The only job of the hook is to run `_sync` once, after the whole backward.
         if self.require_sync and not self._queued:
             self._queued = True
@@ -139,9 +147,11 @@ class NaiveDDP(_DDPBase):
 
     def _sync(self) -> None:
         self._queued = False
-        for p in self.params:
+        for i, p in enumerate(self.params):
             if p.grad is not None:
+                self._log("launch", i)
                 dist.all_reduce(p.grad)
+                self._log("done", i)
                 p.grad.div_(self.world_size)
 
 
@@ -167,11 +177,9 @@ class MiniDDP(_DDPBase):
         comm_hook: CommHook | None = None,
         trace: bool = False,
     ) -> None:
-        super().__init__(module)
+        super().__init__(module, trace)
         self.find_unused_parameters = find_unused_parameters
         self.comm_hook = comm_hook
-        self.trace = trace
-        self.events: list[tuple[float, str, int]] = []
         self.buckets = assign_buckets(self.params, bucket_cap_mb, first_bucket_mb)
         self.where: dict[int, tuple[int, int]] = {}  # param index -> (bucket, offset)
         self.buffers_: list[torch.Tensor] = []
@@ -195,10 +203,6 @@ class MiniDDP(_DDPBase):
         self.next_bucket = 0
         self.backward_started = False
         self.unused: list[int] = []
-
-    def _log(self, kind: str, index: int) -> None:
-        if self.trace:
-            self.events.append((time.perf_counter(), kind, index))
 
     def _log_done(self, b: int, fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
         self._log("done", b)  # runs on gloo's thread, the moment the all-reduce completes
@@ -266,7 +270,8 @@ class MiniDDP(_DDPBase):
                     f"rank {self.rank}: the all-reduce of bucket {b} (parameters {names}) did "
                     "not complete. Another rank never started it, usually because one of "
                     "these parameters got no gradient there. Pass find_unused_parameters=True "
-                    "to MiniDDP, or make every parameter take part in the loss on every rank."
+                    "to MiniDDP, or make every parameter take part in the loss on every rank. "
+                    f"The backend said: {str(exc).splitlines()[0] if str(exc) else exc!r}"
                 ) from exc
         if self.next_bucket < len(self.buckets):
             b = self.next_bucket

@@ -27,6 +27,7 @@ __all__ = [
     "fp16_hook_error",
     "hook_and_launch_order",
     "make_mlp",
+    "no_sync_step",
     "parity_with_torch_ddp",
     "timeline",
     "torch_ddp_buckets",
@@ -194,23 +195,57 @@ def unused_parameter_step(find_unused: bool, hold_s: float = 0.0) -> str:
     return outcome
 
 
-def timeline(impl: str, bucket_cap_mb: float, widths: tuple[int, ...], batch: int) -> Any:
-    """Two traced training steps; returns the second one's events relative to the start of
-    backward, plus when backward ended (hooks) and when the step's gradients were ready."""
+def timeline(
+    impl: str = "mini",
+    bucket_cap_mb: float = 5.0,
+    widths: tuple[int, ...] = (1024,) * 9,
+    batch: int = 64,
+) -> dict[str, Any]:
+    """Three traced training steps of `MiniDDP` (``impl="mini"``) or `NaiveDDP`; returns the
+    last step's events in seconds since ``backward()`` was called, when it returned, and the
+    buckets (for the naive version, one per parameter)."""
     model = make_mlp(widths)
-    ddp: Any = MiniDDP(model, bucket_cap_mb=bucket_cap_mb, trace=True)
+    ddp: MiniDDP | NaiveDDP
     if impl == "naive":
-        ddp = NaiveDDP(model)
-    x = torch.randn(batch, widths[0])
-    for _ in range(2):
-        if impl != "naive":
-            ddp.events.clear()
-        out = ddp(x).pow(2).mean()
+        ddp = NaiveDDP(model, trace=True)
+    else:
+        ddp = MiniDDP(model, bucket_cap_mb=bucket_cap_mb, trace=True)
+    x = torch.randn(batch, widths[0], generator=torch.Generator().manual_seed(dist.get_rank()))
+    for _ in range(3):
+        ddp.events.clear()
+        loss = ddp(x).pow(2).mean()
         t0 = time.perf_counter()
-        out.backward()
-        t_end = time.perf_counter()
-    events = [(t - t0, kind, i) for t, kind, i in getattr(ddp, "events", [])]
-    return {"events": events, "backward_returned": t_end - t0}
+        loss.backward()
+        returned = time.perf_counter() - t0
+        ddp.zero_grad()
+    buckets = ddp.buckets if isinstance(ddp, MiniDDP) else [[i] for i in range(len(ddp.params))]
+    return {
+        "events": [(t - t0, kind, i) for t, kind, i in ddp.events],
+        "backward_returned": returned,
+        "buckets": buckets,
+        "names": ddp.names,
+    }
+
+
+def no_sync_step() -> dict[str, Any]:
+    """A backward inside ``no_sync()`` launches no all-reduce and leaves gradients local;
+    the next backward outside it all-reduces the accumulated sum."""
+    model = MiniDDP(make_mlp(), bucket_cap_mb=0.01)
+    x = _batch(0, 0)
+    with model.no_sync():
+        model(x).sum().backward()
+    first = next(model.parameters()).grad
+    assert first is not None
+    inside = {"all-reduces launched": len(model.futures), "grads equal across ranks": _same(first)}
+    model(x).sum().backward()
+    after = {"all-reduces launched": len(model.futures), "grads equal across ranks": _same(first)}
+    return {"inside no_sync": inside, "next backward": after}
+
+
+def _same(t: torch.Tensor) -> bool:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return all(torch.equal(parts[0], q) for q in parts)
 
 
 def fp16_hook_error(numel: int = 100_000) -> dict[str, float]:
