@@ -199,14 +199,15 @@ class MiniDDP(_DDPBase):
     def _reset(self) -> None:
         self.pending = [len(b) for b in self.buckets]  # gradients each bucket still waits for
         self.ready = [False] * len(self.params)
-        self.futures: list[torch.futures.Future[torch.Tensor]] = []
+        # In-flight all-reduces, one per launched bucket (a Work, or a hook's Future).
+        self.futures: list[dist.Work | torch.futures.Future[torch.Tensor]] = []
         self.next_bucket = 0
         self.backward_started = False
         self.unused: list[int] = []
 
-    def _log_done(self, b: int, fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+    def _log_done(self, b: int, fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         self._log("done", b)  # runs on gloo's thread, the moment the all-reduce completes
-        return fut.value()
+        return fut.value()[0]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._reset()  # a backward that raised must not leak its half-filled buckets
@@ -247,23 +248,27 @@ class MiniDDP(_DDPBase):
 
     def _launch(self, b: int) -> None:
         self._log("launch", b)
+        pending: dist.Work | torch.futures.Future[torch.Tensor]
         if self.comm_hook is not None:
-            fut = self.comm_hook(self.buffers_[b])
-        else:
+            pending = self.comm_hook(self.buffers_[b])
+        elif self.trace:  # a completion callback costs a GIL hand-off: only when tracing
             work = dist.all_reduce(self.buffers_[b], async_op=True)
             assert work is not None
-            fut = work.get_future().then(lambda f: f.value()[0])
-        if self.trace:
-            fut = fut.then(functools.partial(self._log_done, b))
-        self.futures.append(fut)
+            pending = work.get_future().then(functools.partial(self._log_done, b))
+        else:
+            pending = cast(dist.Work, dist.all_reduce(self.buffers_[b], async_op=True))
+        self.futures.append(pending)
 
     def _finish(self) -> None:
         """End of backward: wait for every bucket, then write averages into ``param.grad``."""
-        for b, fut in enumerate(self.futures):
+        for b, pending in enumerate(self.futures):
             try:
-                result = fut.wait()
-                if result.data_ptr() != self.buffers_[b].data_ptr():  # a hook's new tensor
-                    self.buffers_[b].copy_(result)
+                result = pending.wait()
+                if (
+                    isinstance(result, torch.Tensor)
+                    and result.data_ptr() != self.buffers_[b].data_ptr()
+                ):
+                    self.buffers_[b].copy_(result)  # a comm hook returned a new tensor
             except Exception as exc:  # gloo's timeout, or a peer that went away
                 names = [self.names[i] for i in self.buckets[b]]
                 raise RuntimeError(
@@ -286,11 +291,10 @@ class MiniDDP(_DDPBase):
         used = self._globally_used()
         for i, p in enumerate(self.params):
             b, offset = self.where[i]
-            averaged = self.buffers_[b][offset : offset + p.numel()].view_as(p)
-            if p.grad is not None:
-                p.grad.copy_(averaged)
-            elif used[i]:  # unused here but used elsewhere: it now has a gradient
-                p.grad = averaged.clone()
+            if p.grad is not None or used[i]:  # (used elsewhere: it now gets a gradient)
+                # param.grad becomes a view of the bucket (DDP's gradient_as_bucket_view):
+                # no copy back, and the next hook overwrites only this parameter's slice.
+                p.grad = self.buffers_[b][offset : offset + p.numel()].view_as(p)
         self.backward_started = False
 
     def _globally_used(self) -> list[bool]:

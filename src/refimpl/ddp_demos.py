@@ -238,6 +238,8 @@ def no_sync_step() -> dict[str, Any]:
     assert first is not None
     inside = {"all-reduces launched": len(model.futures), "grads equal across ranks": _same(first)}
     model(x).sum().backward()
+    first = next(model.parameters()).grad  # now a view of its bucket, the averaged sum
+    assert first is not None
     after = {"all-reduces launched": len(model.futures), "grads equal across ranks": _same(first)}
     return {"inside no_sync": inside, "next backward": after}
 
