@@ -17,6 +17,7 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +35,7 @@ __all__ = [
     "main_process_first_worker",
     "plot_timeline",
     "read_timeline",
+    "short_error",
     "straggler_worker",
     "train_and_save_worker",
 ]
@@ -196,6 +198,23 @@ def plot_timeline(spans: list[dict[str, Any]], title: str, ax: Any = None) -> An
     return ax
 
 
+def _line_up() -> None:
+    """Start-up: wait for every rank under a generous timeout, so that a process that starts
+    late on a loaded machine is not mistaken for the failure a demo is about to show."""
+    barrier_safe(timeout_s=60.0)
+
+
+def short_error(exc: BaseException | None) -> str:
+    """The first line of an error without gloo's ``[/path/file.cc:78] `` prefix.
+
+    gloo says "send" or "recv" depending on which half of an exchange timed out first, a
+    race; both become "send/recv" so that printed errors are reproducible.
+    """
+    text = str(exc).strip().splitlines()[0] if exc is not None and str(exc).strip() else ""
+    text = text.split("] ", 1)[1] if text.startswith("[/") and "] " in text else text
+    return re.sub(r"\b(send|recv) operation", "send/recv operation", text)
+
+
 def _slow_save(path: Path, model: torch.nn.Module, save_s: float) -> None:
     """A real atomic save, padded with sleep to ``save_s`` (a big model on slow storage)."""
     from refimpl.atomic import atomic_save
@@ -216,6 +235,7 @@ def train_and_save_worker(
     inside ``if rank == 0``: only rank 0 calls it). Returns seconds spent per phase.
     """
     rank = dist.get_rank()
+    _line_up()
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -254,6 +274,7 @@ def train_and_save_worker(
 
 def straggler_worker(late_rank: int, late_s: float, timeout_s: float) -> int:
     """Worker: every rank calls a monitored `barrier_safe`; ``late_rank`` arrives late."""
+    _line_up()
     barrier_safe(timeout_s=timeout_s)  # start-up: everyone on time, creates the group
     if dist.get_rank() == late_rank:
         time.sleep(late_s)
