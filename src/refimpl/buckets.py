@@ -19,7 +19,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_FIRST_BUCKET_MB", "MB", "assign_buckets", "bucket_bytes", "draw_buckets"]
+__all__ = [
+    "DEFAULT_FIRST_BUCKET_MB",
+    "MB",
+    "assign_buckets",
+    "bucket_bytes",
+    "draw_buckets",
+    "draw_timeline",
+]
 
 MB = 1024 * 1024
 """PyTorch's "MB" in ``bucket_cap_mb`` is a mebibyte."""
@@ -120,4 +127,30 @@ def draw_buckets(
     ax.set_xlim(0, left)
     ax.set_xlabel("gradient bytes in ready order (MB); colour = bucket")
     ax.set_title(title or f"{len(buckets)} bucket(s)")
+    return ax
+
+
+def draw_timeline(trace: dict[str, Any], ax: Any = None, title: str = "") -> Any:
+    """Draw one traced backward (`refimpl.ddp_demos.timeline`): a tick per gradient, a bar
+    per all-reduce from launch to completion, coloured by bucket; returns the axes."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 2.2))
+    colors = plt.get_cmap("tab10")
+    bucket_of = {i: b for b, bucket in enumerate(trace["buckets"]) for i in bucket}
+    launched: dict[int, float] = {}
+    for t, kind, i in trace["events"]:
+        ms = 1e3 * t
+        if kind == "grad":
+            ax.plot([ms, ms], [1.6, 2.4], color=colors(bucket_of[i] % 10), linewidth=2)
+        elif kind == "launch":
+            launched[i] = ms
+        elif kind == "done" and i in launched:
+            color = colors(i % 10) if len(trace["buckets"]) < 100 else "grey"
+            ax.barh(1 - 0.5 * (i % 2), ms - launched[i], left=launched[i], height=0.4, color=color)
+    ax.axvline(1e3 * trace["backward_returned"], color="black", linestyle="--", linewidth=1)
+    ax.set_yticks([0.75, 2], ["all-reduce", "gradient\nready"])
+    ax.set_xlabel("ms since loss.backward() was called (dashed: backward() returned)")
+    ax.set_title(title)
     return ax
