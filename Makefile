@@ -8,7 +8,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=300
 export PYTHONHASHSEED := 0
-export MPLBACKEND := Agg
+# Notebooks show figures through the inline backend; an inherited MPLBACKEND=Agg hides them.
+unexport MPLBACKEND
 
 .PHONY: venv test lint book browser-test notebooks clean
 
