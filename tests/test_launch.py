@@ -174,3 +174,31 @@ def test_failing_rank_output_is_kept_on_the_error() -> None:
 def test_unknown_rank_output_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="rank_output"):
         spawn(_workers.rank_and_sum, 2, rank_output="loud")
+
+
+def test_launcher_killed_by_sigkill_leaves_no_rank_behind(tmp_path: Path) -> None:
+    """The job's own launcher dies (OOM killer, scancel): its ranks must not live on."""
+    import signal
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import _workers\n"
+        "from refimpl.launch import spawn\n"
+        "spawn(_workers.record_pid_then, 2, sys.argv[2], 'hang', timeout_s=600)\n"
+    )
+    tests_dir = str(Path(__file__).parent)
+    launcher = subprocess.Popen([sys.executable, "-c", script, tests_dir, str(tmp_path)])
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.3)  # let both ranks finish writing
+    pids = _pids(tmp_path)
+    assert len(pids) == 4
+    assert all(_alive(p) for p in pids)
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    deadline = time.monotonic() + 10  # each rank checks on its launcher twice a second
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [p for p in pids if _alive(p)] == []

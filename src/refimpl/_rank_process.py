@@ -13,6 +13,8 @@ import os
 import pickle
 import signal
 import sys
+import threading
+import time
 import traceback
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -24,14 +26,41 @@ import torch.distributed as dist
 TCPStore = dist.TCPStore  # type: ignore[attr-defined]  # not in torch.distributed's __all__
 
 
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process if its parent dies, so no rank is orphaned."""
+def die_with_launcher(launcher_pid: int) -> None:
+    """Make sure this rank (and whatever it starts) dies if the launcher dies.
+
+    The rank's parent is multiprocessing's fork server, not the launcher, and the fork
+    server outlives a launcher killed with SIGKILL for as long as any rank is alive (each
+    rank holds the pipe end it watches). So the rank watches the launcher itself: a daemon
+    thread checks it twice a second and kills the rank's whole process group once it is
+    gone. ``PR_SET_PDEATHSIG`` covers the ``spawn`` start method, where the launcher is
+    the parent.
+    """
     with contextlib.suppress(Exception):
         import ctypes
 
-        libc = ctypes.CDLL(None)
         pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+    def watch() -> None:
+        while _alive(launcher_pid):
+            time.sleep(0.5)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="refimpl-launcher-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A killed launcher whose own parent has not reaped it yet is a zombie: dead already.
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
 
 
 def bootstrap(
@@ -45,10 +74,11 @@ def bootstrap(
     args: tuple[Any, ...],
     results: Any,
     log_path: str | None,
+    launcher_pid: int,
 ) -> None:
     """Body of every worker process: set up the group, run ``fn``, report back."""
     os.setpgrp()  # own process group: the launcher kills the rank and its children at once
-    die_with_parent()
+    die_with_launcher(launcher_pid)
     if log_path is not None:
         # Ranks write to their own file, never to the notebook: N ranks printing at once
         # would interleave nondeterministically (ipykernel forwards fd 1 and 2 to the page).

@@ -211,6 +211,7 @@ def spawn(
                 args,
                 results,
                 logs[r],
+                os.getpid(),
             ),
             name=f"rank{r}",
             daemon=True,
