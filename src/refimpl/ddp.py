@@ -12,7 +12,7 @@ one call's latency per tensor. `MiniDDP` does what ``DistributedDataParallel``'s
    backward keeps computing earlier layers (buckets start strictly in index order, so every
    rank issues the same collectives in the same order);
 4. a callback queued on the autograd engine waits for every all-reduce at the end of backward
-   and writes the averaged gradient back into ``param.grad``.
+   and points each ``param.grad`` at its averaged slice of the bucket (no copy back).
 
 ``no_sync()`` skips step 3 for gradient-accumulation micro-steps, and
 ``find_unused_parameters=True`` marks parameters that the forward pass did not reach as ready
@@ -164,8 +164,9 @@ class MiniDDP(_DDPBase):
     after each forward and reduces a zero gradient for parameters it did not reach; without
     it such a parameter's bucket never starts, and this rank raises at the end of backward
     while the others wait for it. ``comm_hook`` replaces the all-reduce of a bucket (see
-    `fp16_compress_hook`). With ``trace=True`` every hook, launch and completion is
-    timestamped into ``self.events`` (``(time.perf_counter(), kind, index)``) for timelines.
+    `fp16_compress_hook`). After backward each ``param.grad`` is a view into its bucket
+    (DDP's ``gradient_as_bucket_view=True``). With ``trace=True`` every hook, launch and
+    completion is timestamped into ``self.events`` (``(perf_counter, kind, index)``).
     """
 
     def __init__(
