@@ -12,6 +12,9 @@ gradient not averaged changes them by ~1e-2 or more).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import _ddp_workers
 import pytest
 import torch
@@ -21,10 +24,12 @@ from torch import nn
 from refimpl.buckets import MB, assign_buckets, bucket_bytes
 from refimpl.ddp import MiniDDP
 from refimpl.ddp_demos import (
+    fp16_hook_error,
     hook_and_launch_order,
     make_mlp,
     no_sync_step,
     parity_with_torch_ddp,
+    timeline,
     torch_ddp_buckets,
     unused_parameter_step,
 )
@@ -162,6 +167,37 @@ def test_first_bucket_launches_while_backward_still_runs() -> None:
     assert order[-1] == "launch bucket 1"
 
 
-def test_minidpp_without_process_group_says_what_to_do() -> None:
+def test_miniddp_without_process_group_says_what_to_do() -> None:
     with pytest.raises(RuntimeError, match="init_process_group"):
         MiniDDP(make_mlp())
+
+
+def test_traced_timeline_has_a_completion_for_every_launch(tmp_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from refimpl.buckets import draw_timeline
+
+    for impl in ("mini", "naive"):
+        trace = spawn(timeline, 2, impl, 0.5, (64, 64, 64, 8), 8, timeout_s=60)[0]
+        kinds = [k for _, k, _ in trace["events"]]
+        assert kinds.count("launch") == kinds.count("done") == len(trace["buckets"]), impl
+        assert kinds.count("grad") == len(trace["names"])
+        draw_timeline(trace).figure.savefig(tmp_path / f"{impl}.png")
+
+
+def test_fp16_hook_halves_bytes_with_bounded_error() -> None:
+    r = spawn(fp16_hook_error, 2, 1000, timeout_s=60)[0]
+    assert r["fp16_bytes"] * 2 == r["fp32_bytes"]
+    assert 0 < r["max_rel_error"] < 1e-3
+
+
+def test_benchmark_writes_json_and_png(tmp_path: Path) -> None:
+    from refimpl.bench.ddp import main
+
+    argv = ["--out", str(tmp_path), "--repeats", "1", "--steps", "1", "--width", "32"]
+    assert main([*argv, "--depth", "2", "--caps", "1"]) == 0
+    data = json.loads((tmp_path / "bench_ddp.json").read_text())
+    assert set(data["results"]["1.0"]) == {"naive", "mini", "torch"}
+    assert set(data["ratios"]["1.0"]) == {"mini/torch", "naive/torch"}
+    assert (tmp_path / "bench_ddp.png").stat().st_size > 0
