@@ -113,16 +113,19 @@ def draw_buckets(
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 1.8))
     colors = plt.get_cmap("tab10")
+    sizes = [p.numel() * p.element_size() / MB for p in params]
+    total = sum(sizes[i] for bucket in buckets for i in bucket)
     left = 0.0
     for b, bucket in enumerate(buckets):
+        start = left
         for i in bucket:
-            width = params[i].numel() * params[i].element_size() / MB
-            ax.barh(0, width, left=left, color=colors(b % 10), edgecolor="white", linewidth=0.5)
-            if names is not None and width > 0.04 * max(1.0, left + width):
-                ax.text(left + width / 2, 0, names[i], ha="center", va="center", fontsize=7)
-            left += width
+            ax.barh(0, sizes[i], left=left, color=colors(b % 10), edgecolor="white", lw=0.5)
+            if names is not None and sizes[i] > 0.06 * total:  # only where the name fits
+                ax.text(left + sizes[i] / 2, -0.2, names[i], ha="center", va="center", size=7)
+            left += sizes[i]
         ax.axvline(left, color="black", linewidth=1)
-        ax.text(left, 0.45, f"b{b}", ha="right", va="bottom", fontsize=8)
+        if left - start > 0.03 * total:
+            ax.text((start + left) / 2, 0.2, f"b{b}", ha="center", va="center", size=8)
     ax.set_yticks([])
     ax.set_xlim(0, left)
     ax.set_xlabel("gradient bytes in ready order (MB); colour = bucket")
