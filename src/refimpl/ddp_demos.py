@@ -298,3 +298,24 @@ def batch_split_matches_full_batch(per_rank: int = 4) -> float:
         [p.grad for p in model.parameters()],  # type: ignore[misc]
         [p.grad for p in single.parameters()],  # type: ignore[misc]
     )
+
+
+def main() -> None:
+    """``python -m refimpl.ddp_demos``: MiniDDP vs torch DDP parity, on 2 local gloo ranks or
+    under ``torchrun --nproc-per-node=N -m refimpl.ddp_demos`` (rank 0 prints)."""
+    import os
+
+    from refimpl.launch import init_from_env, spawn
+
+    if "RANK" in os.environ:
+        rank = init_from_env().rank
+        result = parity_with_torch_ddp()
+        if rank != 0:
+            return
+    else:
+        result = spawn(parity_with_torch_ddp, 2, timeout_s=120)[0]
+    print(f"MiniDDP vs DistributedDataParallel after 4 steps: {result}")
+
+
+if __name__ == "__main__":
+    main()
