@@ -107,7 +107,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--steps", type=int, default=2, help="steps timed per repeat")
-    ap.add_argument("--batch", type=int, default=32, help="rows per rank per step")
+    ap.add_argument("--batch", type=int, default=16, help="rows per rank per step")
     ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--depth", type=int, default=20, help="number of Linear layers")
     ap.add_argument("--caps", type=float, nargs="+", default=list(CAPS))
