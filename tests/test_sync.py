@@ -10,14 +10,14 @@ import matplotlib
 import pytest
 
 from refimpl.launch import WorkerError, WorkerTimeout, spawn
-from refimpl.sync import (
+from refimpl.sync import barrier_safe, main_process_first
+from refimpl.sync_demos import (
     Timeline,
     barrier_cost_worker,
-    barrier_safe,
-    main_process_first,
     main_process_first_worker,
     plot_timeline,
     read_timeline,
+    short_error,
     straggler_worker,
     train_and_save_worker,
 )
@@ -121,6 +121,14 @@ def test_barrier_wait_covers_the_save(tmp_path: Path) -> None:
     for (save, total0), (zero1, wait1), (zero2, wait2) in zip(r0, r1, r2, strict=True):
         assert save > 0 and zero1 == zero2 == 0
         assert total0 >= save and min(wait1, wait2) > 0
+
+
+def test_short_error_is_reproducible() -> None:
+    err = RuntimeError(
+        "[/src/gloo/unbound_buffer.cc:78] Timed out waiting 2000ms for recv operation"
+    )
+    assert short_error(err) == "Timed out waiting 2000ms for send/recv operation"
+    assert short_error(None) == ""
 
 
 def test_timeline_is_readable_and_plottable(tmp_path: Path) -> None:

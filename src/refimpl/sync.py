@@ -7,38 +7,20 @@ name the rank that is late (``monitored=True``). `main_process_first` lets rank 
 something (a file, a cache) before the other ranks read it, and turns a failure on rank 0
 into an error on every rank instead of a hang.
 
-The ``*_worker`` functions are the chapter's demos; they run under `refimpl.launch.spawn`
-and record a per-rank timeline (`Timeline`) that survives the job failing.
+The chapter's demos (the incident, its fixes, their timelines) are in `refimpl.sync_demos`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import json
-import os
-import re
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = [
-    "MainProcessFailed",
-    "Timeline",
-    "barrier_cost_worker",
-    "barrier_safe",
-    "main_process_first",
-    "main_process_first_worker",
-    "plot_timeline",
-    "read_timeline",
-    "short_error",
-    "straggler_worker",
-    "train_and_save_worker",
-]
+__all__ = ["MainProcessFailed", "barrier_safe", "main_process_first"]
 
 _GROUPS: dict[tuple[int, float | None], Any] = {}
 
@@ -65,11 +47,12 @@ def barrier_safe(*, timeout_s: float | None = None, monitored: bool = False) -> 
 
     ``timeout_s`` gives this wait its own limit (a CPU gloo group created once per value),
     so a save may take longer than the timeout you want on training collectives.
-    ``monitored=True`` uses ``dist.monitored_barrier``: if a rank does not arrive in time,
-    rank 0 raises naming every missing rank ("Ranks 1, 2 failed to pass monitoredBarrier").
-    All ranks must call it with the same arguments. The first call with a new ``timeout_s``
-    creates that group, which is itself a wait for every rank: make it at start-up, so that
-    a rank that is late later is reported by the barrier rather than by group creation.
+    ``monitored=True`` uses ``dist.monitored_barrier``: if a rank has not arrived after
+    3/4 of the timeout, rank 0 raises naming every missing rank ("Ranks 1, 2 failed to
+    pass monitoredBarrier"); the others wait the full timeout, so that report, which names
+    the culprit, is the one the job dies with. All ranks must pass the same arguments. The
+    first call with a new ``timeout_s`` creates that group, itself a wait for every rank:
+    make it at start-up, so a rank late later is reported by the barrier, not by creation.
 
     Example::
 
@@ -79,12 +62,14 @@ def barrier_safe(*, timeout_s: float | None = None, monitored: bool = False) -> 
     """
     if not _active():
         return
-    group = _gloo_group(timeout_s)
-    if monitored:
-        limit = datetime.timedelta(seconds=1800.0 if timeout_s is None else timeout_s)
-        dist.monitored_barrier(group=group, timeout=limit, wait_all_ranks=True)
-    else:
-        dist.barrier(group=group)
+    if not monitored:
+        dist.barrier(group=_gloo_group(timeout_s))
+        return
+    seconds = 1800.0 if timeout_s is None else timeout_s  # gloo's default, made explicit
+    # Ranks other than 0 wait for rank 0's answer under the group's timeout; rank 0 must
+    # give up first, or a bystander's "no answer from rank 0" would be the reported error.
+    limit = datetime.timedelta(seconds=0.75 * seconds)
+    dist.monitored_barrier(group=_gloo_group(seconds), timeout=limit, wait_all_ranks=True)
 
 
 class MainProcessFailed(dist.DistError):
@@ -129,207 +114,3 @@ def main_process_first(*, timeout_s: float | None = None) -> Iterator[bool]:
         raise
     status.fill_(1)
     dist.broadcast(status, src=0, group=group)
-
-
-class Timeline:
-    """Per-rank spans (phase, start, end) appended to ``log_dir/rankN.jsonl`` as they end.
-
-    Lines are flushed one by one, so the timeline of a job that failed or was killed can
-    still be read (`read_timeline`) and drawn (`plot_timeline`).
-    """
-
-    def __init__(self, log_dir: str | os.PathLike[str], rank: int | None = None) -> None:
-        self.rank = dist.get_rank() if rank is None else rank
-        Path(log_dir).mkdir(parents=True, exist_ok=True)
-        self._file = open(Path(log_dir) / f"rank{self.rank}.jsonl", "a", buffering=1)  # noqa: SIM115
-
-    @contextlib.contextmanager
-    def span(self, phase: str) -> Iterator[None]:
-        """Record the block as ``phase``; a block that raises is recorded with its error."""
-        start = time.monotonic()
-        error = ""
-        try:
-            yield
-        except BaseException as exc:
-            error = type(exc).__name__
-            raise
-        finally:
-            rec = {"rank": self.rank, "phase": phase, "start": start, "end": time.monotonic()}
-            self._file.write(json.dumps({**rec, "error": error}) + "\n")
-
-
-def read_timeline(log_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """All spans of all ranks, with times in seconds from the first span's start."""
-    spans = [
-        json.loads(line)
-        for path in sorted(Path(log_dir).glob("rank*.jsonl"))
-        for line in path.read_text().splitlines()
-    ]
-    t0 = min((s["start"] for s in spans), default=0.0)
-    for s in spans:
-        s["start"], s["end"] = s["start"] - t0, s["end"] - t0
-    return sorted(spans, key=lambda s: (s["rank"], s["start"]))
-
-
-_COLORS = {"train step": "tab:blue", "save": "tab:orange", "barrier": "tab:green"}
-
-
-def plot_timeline(spans: list[dict[str, Any]], title: str, ax: Any = None) -> Any:
-    """Draw one row per rank, one bar per span; spans that ended in an error are hatched."""
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(9, 2.4))
-    ranks = sorted({s["rank"] for s in spans})
-    for s in spans:
-        ax.barh(
-            s["rank"], s["end"] - s["start"], left=s["start"], height=0.6,
-            color=_COLORS.get(s["phase"], "tab:gray"), edgecolor="black",
-            hatch="//" if s["error"] else None,
-        )  # fmt: skip
-    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds")
-    ax.set_title(title)
-    handles = [Patch(color=c, label=p) for p, c in _COLORS.items()]
-    handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="raised"))
-    ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
-    return ax
-
-
-def _line_up() -> None:
-    """Start-up: wait for every rank under a generous timeout, so that a process that starts
-    late on a loaded machine is not mistaken for the failure a demo is about to show."""
-    barrier_safe(timeout_s=60.0)
-
-
-def short_error(exc: BaseException | None) -> str:
-    """The first line of an error without gloo's ``[/path/file.cc:78] `` prefix.
-
-    gloo says "send" or "recv" depending on which half of an exchange timed out first, a
-    race; both become "send/recv" so that printed errors are reproducible.
-    """
-    text = str(exc).strip().splitlines()[0] if exc is not None and str(exc).strip() else ""
-    text = text.split("] ", 1)[1] if text.startswith("[/") and "] " in text else text
-    return re.sub(r"\b(send|recv) operation", "send/recv operation", text)
-
-
-def _slow_save(path: Path, model: torch.nn.Module, save_s: float) -> None:
-    """A real atomic save, padded with sleep to ``save_s`` (a big model on slow storage)."""
-    from refimpl.atomic import atomic_save
-
-    start = time.monotonic()
-    atomic_save(model.state_dict(), path)
-    time.sleep(max(0.0, save_s - (time.monotonic() - start)))
-
-
-def train_and_save_worker(
-    log_dir: str, barrier: str, save_s: float, steps: int = 3, save_timeout_s: float = 30.0
-) -> dict[str, float]:
-    """Worker: DDP steps; rank 0 saves after step 0. ``barrier`` says what the ranks do then.
-
-    ``"none"`` (the incident: others run into step 1's all-reduce), ``"plain"`` (the
-    seed's fix: ``dist.barrier()`` after the save, under the group's timeout), ``"safe"``
-    (`barrier_safe` with ``save_timeout_s``) or ``"misplaced"`` (a monitored barrier
-    inside ``if rank == 0``: only rank 0 calls it). Returns seconds spent per phase.
-    """
-    rank = dist.get_rank()
-    _line_up()
-    torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    if barrier in ("safe", "misplaced"):
-        barrier_safe(timeout_s=save_timeout_s)  # start-up: creates the save-barrier group
-    tl = Timeline(log_dir)
-    spent = {"train step": 0.0, "save": 0.0, "barrier": 0.0}
-    for step in range(steps):
-        start = time.monotonic()
-        with tl.span("train step"):
-            time.sleep(0.2)  # stands in for forward + backward compute
-            model(torch.ones(8, 64)).square().mean().backward()  # all-reduce in backward
-            opt.step()
-            opt.zero_grad()
-        spent["train step"] += time.monotonic() - start
-        if step != 0:
-            continue
-        start = time.monotonic()
-        if rank == 0:
-            with tl.span("save"):
-                _slow_save(Path(log_dir) / "model.pt", model.module, save_s)
-            spent["save"] = time.monotonic() - start
-            if barrier == "misplaced":
-                with tl.span("barrier"):
-                    barrier_safe(timeout_s=save_timeout_s, monitored=True)
-        start = time.monotonic()
-        if barrier in ("plain", "safe"):
-            with tl.span("barrier"):
-                if barrier == "plain":
-                    dist.barrier()  # the group's timeout: the one sized for training steps
-                else:
-                    barrier_safe(timeout_s=save_timeout_s)
-        spent["barrier"] = time.monotonic() - start
-    return spent
-
-
-def straggler_worker(late_rank: int, late_s: float, timeout_s: float) -> int:
-    """Worker: every rank calls a monitored `barrier_safe`; ``late_rank`` arrives late."""
-    _line_up()
-    barrier_safe(timeout_s=timeout_s)  # start-up: everyone on time, creates the group
-    if dist.get_rank() == late_rank:
-        time.sleep(late_s)
-    barrier_safe(timeout_s=timeout_s, monitored=True)
-    return dist.get_rank()
-
-
-def main_process_first_worker(directory: str, ordered: bool, fail: bool = False) -> str:
-    """Worker: rank 0 writes a file (slowly) that every rank then reads.
-
-    ``ordered=False`` has no ordering (other ranks may read before it exists);
-    ``ordered=True`` uses `main_process_first`; ``fail=True`` makes rank 0 raise inside it.
-    Returns the bytes each rank read, decoded.
-    """
-    from refimpl.atomic import atomic_write_bytes
-
-    path = Path(directory) / "vocab.txt"
-
-    def prepare() -> None:
-        time.sleep(0.5)  # tokenising a corpus, downloading weights, ...
-        if fail:
-            raise OSError(28, "No space left on device (simulated) while writing vocab.txt")
-        atomic_write_bytes(b"vocab v1", path)
-
-    if not ordered:
-        if dist.get_rank() == 0:
-            prepare()
-        return path.read_text()
-    with main_process_first(timeout_s=30) as is_main:
-        if is_main:
-            prepare()
-        return path.read_text()
-
-
-def barrier_cost_worker(
-    directory: str, sizes_mb: list[int], repeats: int = 3
-) -> list[tuple[float, float]]:
-    """Worker: rank 0 atomically saves ``sizes_mb`` tensors; everyone then `barrier_safe`.
-
-    Returns, per size, the medians of ``(save seconds, seconds until the barrier let this
-    rank go)``, both measured from the same start; the save is 0 on ranks other than 0.
-    """
-    from refimpl.atomic import atomic_save
-
-    results = []
-    for mb in sizes_mb:
-        tensor = torch.ones(mb * (1 << 18))  # mb MiB of float32
-        saves, totals = [], []
-        for i in range(repeats):
-            barrier_safe()  # line the ranks up, so every clock starts together
-            start = time.monotonic()
-            if dist.get_rank() == 0:
-                atomic_save({"w": tensor}, Path(directory) / f"w{mb}_{i}.pt")
-            saves.append(time.monotonic() - start if dist.get_rank() == 0 else 0.0)
-            barrier_safe(timeout_s=120)
-            totals.append(time.monotonic() - start)
-        results.append((sorted(saves)[repeats // 2], sorted(totals)[repeats // 2]))
-    return results
