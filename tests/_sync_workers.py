@@ -23,3 +23,16 @@ def single_rank_helpers() -> tuple[int, bool]:
     barrier_safe(timeout_s=5, monitored=True)  # world size 1: nothing to wait for
     with main_process_first() as is_main:
         return dist.get_world_size(), is_main
+
+
+def hammer_one_file(path: str, rounds: int) -> int:
+    """Every rank atomically saves its own state to the SAME path, over and over: the seed's
+    "save ahead of time" point, where every rank saved. Returns the rounds done."""
+    import torch
+
+    from refimpl.atomic import atomic_save
+
+    rank = dist.get_rank()
+    for i in range(rounds):
+        atomic_save({"rank": rank, "i": i, "w": torch.full((50_000,), float(rank))}, path)
+    return rounds

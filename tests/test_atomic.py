@@ -129,3 +129,33 @@ def test_stale_temps_of_dead_writers_are_removed_live_ones_kept(tmp_path: Path) 
     (tmp_path / "ckpt.pt").write_bytes(b"keep")
     assert remove_stale_temps(tmp_path) == sorted([dead_file, dead_dir])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "ckpt.pt"])
+
+
+def test_ranks_saving_to_the_same_path_never_tear_it(tmp_path: Path) -> None:
+    import _sync_workers
+
+    from refimpl.launch import spawn
+
+    target = tmp_path / "shared.pt"
+    assert spawn(_sync_workers.hammer_one_file, 3, str(target), 30, timeout_s=60) == [30] * 3
+    final = torch.load(target, weights_only=True)
+    # The last rename overall is some rank's last save: a complete state, never a mix.
+    assert final["i"] == 29 and final["rank"] in (0, 1, 2)
+    assert torch.equal(final["w"], torch.full((50_000,), float(final["rank"])))
+    assert _temps(tmp_path) == []
+
+
+def test_save_benchmark_writes_json_and_png(tmp_path: Path) -> None:
+    import json
+
+    from refimpl.bench.save import main
+
+    assert main(["--out", str(tmp_path), "--mb", "1", "--repeats", "5", "--quiet"]) == 0
+    data = json.loads((tmp_path / "save.json").read_text())
+    assert {"memcpy", "write+fsync", "torch.save+fsync", "atomic_save"} <= set(data["seconds"])
+    assert all(
+        s["n"] == 5 and s["min"] <= s["median"] <= s["max"] for s in data["seconds"].values()
+    )
+    assert data["ratios"]["atomic_save / torch.save+fsync"] > 0
+    assert (tmp_path / "save.png").stat().st_size > 0
+    assert not (tmp_path / "_scratch").exists()
