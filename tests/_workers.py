@@ -73,3 +73,14 @@ def print_then_maybe_fail(fail: bool) -> int:
     if fail and dist.get_rank() == 1:
         raise RuntimeError("after printing")
     return dist.get_rank()
+
+
+def real_cause_on_rank1_wrapped_collateral_on_rank0() -> None:
+    """Rank 1 fails; rank 0's all_reduce then fails and rank 0 wraps that error in its own."""
+    if dist.get_rank() == 1:
+        time.sleep(0.5)
+        raise ValueError("the real cause, on rank 1")
+    try:
+        dist.all_reduce(torch.ones(1))
+    except Exception as exc:
+        raise RuntimeError("rank 0: all-reduce did not complete") from exc

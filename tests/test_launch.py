@@ -202,3 +202,15 @@ def test_launcher_killed_by_sigkill_leaves_no_rank_behind(tmp_path: Path) -> Non
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert [p for p in pids if _alive(p)] == []
+
+
+def test_root_cause_wins_over_a_peer_wrapping_its_connection_error() -> None:
+    with pytest.raises(WorkerError) as info:
+        spawn(
+            _workers.real_cause_on_rank1_wrapped_collateral_on_rank0,
+            2,
+            timeout_s=30,
+            pg_timeout_s=10,
+        )
+    assert info.value.rank == 1
+    assert isinstance(info.value.__cause__, ValueError)

@@ -103,12 +103,7 @@ def bootstrap(
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )
-        try:
-            value = fn(*args)
-        finally:
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-        results.put((rank, "ok", pickle.dumps(value)))
+        results.put((rank, "ok", pickle.dumps(fn(*args))))
     except BaseException as exc:  # everything, even SystemExit, must reach the launcher
         text = traceback.format_exc()
         try:
@@ -117,6 +112,13 @@ def bootstrap(
         except Exception:  # some exceptions do not survive pickling
             payload = b""
         results.put((rank, "error", (type(exc).__name__, str(exc), text, payload)))
+    finally:
+        # Report first, tear down second: destroying the group makes the peers fail with
+        # "connection closed", and the launcher must see this rank's real error before theirs.
+        results.close()
+        results.join_thread()
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 @contextlib.contextmanager

@@ -136,9 +136,18 @@ def _importable(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _is_collateral(failure: tuple[int, str, str, str, Any]) -> bool:
-    """A distributed error on a rank whose peer already died is a symptom, not the cause."""
+    """A distributed error on a rank whose peer already died is a symptom, not the cause.
+
+    Workers often wrap the backend's error in their own (``raise RuntimeError(...) from
+    exc``), so the whole ``__cause__`` / ``__context__`` chain is checked.
+    """
     exc, message = failure[4], failure[2]
-    return isinstance(exc, dist.DistError) or any(s in message for s in _PEER_GONE)
+    seen = 0
+    while exc is not None and seen < 20:
+        if isinstance(exc, dist.DistError) or any(s in str(exc) for s in _PEER_GONE):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return any(s in message for s in _PEER_GONE)
 
 
 def _exit_reason(exitcode: int | None) -> str:
