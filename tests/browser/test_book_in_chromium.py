@@ -35,21 +35,18 @@ def _toc_files() -> list[str]:
     return files
 
 
-def _expected(doc: str) -> tuple[str, int]:
-    """The page's title and how many figures its source has."""
+def _expected(doc: str) -> tuple[str, int, int]:
+    """The page's title, how many figures and how many widgets its source has."""
     nb_path = ROOT / f"{doc}.ipynb"
     if nb_path.exists():
         nb = nbformat.read(nb_path, as_version=4)
         title = nb.cells[0].source.splitlines()[0].lstrip("# ").strip()
-        figures = sum(
-            "image/png" in out.get("data", {})
-            for cell in nb.cells
-            if cell.cell_type == "code"
-            for out in cell.outputs
-        )
-        return title, figures
+        outputs = [o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+        figures = sum("image/png" in data for data in outputs)
+        widgets = sum("application/vnd.jupyter.widget-view+json" in data for data in outputs)
+        return title, figures, widgets
     text = (ROOT / f"{doc}.md").read_text()
-    return text.splitlines()[0].lstrip("# ").strip(), len(re.findall(r"!\[", text))
+    return text.splitlines()[0].lstrip("# ").strip(), len(re.findall(r"!\[", text)), 0
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -83,7 +80,7 @@ def browser():  # type: ignore[no-untyped-def]
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("doc", _toc_files())
 def test_page_renders_title_and_figures_without_errors(browser, base_url: str, doc: str) -> None:  # type: ignore[no-untyped-def]
-    title, n_figures = _expected(doc)
+    title, n_figures, n_widgets = _expected(doc)
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     errors: list[str] = []
     page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
@@ -104,6 +101,11 @@ def test_page_renders_title_and_figures_without_errors(browser, base_url: str, d
         img.scroll_into_view_if_needed()
         width = img.evaluate("el => el.complete ? el.naturalWidth : 0")
         assert width > 0, f"{doc}: image {i} ({img.get_attribute('src')}) did not load"
+
+    if n_widgets:
+        # Saved widget state is rendered by the vendored html-manager: the widgets must appear.
+        page.wait_for_selector("article .jupyter-widgets", timeout=20_000)
+        assert page.locator("article .jupyter-widgets").count() >= n_widgets, doc
 
     body = page.locator("article").inner_text()
     assert "Traceback (most recent call last)" not in body, f"{doc}: a Python traceback shows"
