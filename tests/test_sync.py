@@ -3,6 +3,7 @@ Timing claims are checked as causality (who finished before whom), never as dura
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import _sync_workers
@@ -47,7 +48,7 @@ def test_the_incident_rank0_saves_while_the_others_time_out(tmp_path: Path) -> N
     save = _spans(tmp_path, 0, "save")[0]
     for rank in (1, 2):
         failed = [s for s in _spans(tmp_path, rank, "train step") if s["error"]]
-        assert failed and failed[0]["end"] < save["end"]
+        assert failed and failed[0]["end"] <= save["end"]
 
 
 def test_a_plain_barrier_moves_the_wait_but_keeps_the_timeout(tmp_path: Path) -> None:
@@ -139,6 +140,9 @@ def test_timeline_is_readable_and_plottable(tmp_path: Path) -> None:
         raise KeyError("x")
     spans = read_timeline(tmp_path)
     assert [(s["phase"], s["error"]) for s in spans] == [("save", ""), ("barrier", "KeyError")]
+    # A span whose rank died mid-way (no end line) is drawn up to the last record, "killed".
+    tl._file.write(json.dumps({"rank": 1, "phase": "save", "start": 10**9}) + "\n")
+    assert read_timeline(tmp_path)[-1]["error"] == "killed"
     assert spans[0]["start"] == 0.0
     ax = plot_timeline(spans, "test")
     assert ax.get_title() == "test" and len(ax.patches) == 2

@@ -34,9 +34,10 @@ __all__ = [
 
 
 class Timeline:
-    """Per-rank spans (phase, start, end) appended to ``log_dir/rankN.jsonl`` as they end.
+    """Per-rank spans (phase, start, end) appended to ``log_dir/rankN.jsonl``.
 
-    Lines are flushed one by one, so the timeline of a job that failed or was killed can
+    A line is written and flushed when a span begins and another when it ends, so the
+    timeline of a job that failed, or whose ranks the launcher SIGKILLed mid-span, can
     still be read (`read_timeline`) and drawn (`plot_timeline`).
     """
 
@@ -48,7 +49,8 @@ class Timeline:
     @contextlib.contextmanager
     def span(self, phase: str) -> Iterator[None]:
         """Record the block as ``phase``; a block that raises is recorded with its error."""
-        start = time.monotonic()
+        rec: dict[str, Any] = {"rank": self.rank, "phase": phase, "start": time.monotonic()}
+        self._file.write(json.dumps(rec) + "\n")  # begin: survives a SIGKILL mid-span
         error = ""
         try:
             yield
@@ -56,16 +58,26 @@ class Timeline:
             error = type(exc).__name__
             raise
         finally:
-            rec = {"rank": self.rank, "phase": phase, "start": start, "end": time.monotonic()}
-            self._file.write(json.dumps({**rec, "error": error}) + "\n")
+            self._file.write(json.dumps({**rec, "end": time.monotonic(), "error": error}) + "\n")
 
 
 def read_timeline(log_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """All spans of all ranks, with times in seconds from the first span's start."""
-    spans = [
+    """All spans of all ranks, times in seconds from the first start, sorted by rank.
+
+    A span that began but never ended (its rank was killed) ends at the last time any
+    rank recorded, with ``error="killed"``.
+    """
+    records = [
         json.loads(line)
         for path in sorted(Path(log_dir).glob("rank*.jsonl"))
         for line in path.read_text().splitlines()
+    ]
+    ended = {(r["rank"], r["start"]): r for r in records if "end" in r}
+    last = max((r.get("end", r["start"]) for r in records), default=0.0)
+    spans = [
+        ended.get((r["rank"], r["start"]), {**r, "end": last, "error": "killed"})
+        for r in records
+        if "end" not in r
     ]
     t0 = min((s["start"] for s in spans), default=0.0)
     for s in spans:
@@ -77,7 +89,7 @@ _COLORS = {"train step": "tab:blue", "save": "tab:orange", "barrier": "tab:green
 
 
 def plot_timeline(spans: list[dict[str, Any]], title: str, ax: Any = None) -> Any:
-    """Draw one row per rank, one bar per span; spans that ended in an error are hatched."""
+    """Draw one row per rank, one bar per span; spans that raised or were killed are hatched."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
@@ -95,7 +107,7 @@ def plot_timeline(spans: list[dict[str, Any]], title: str, ax: Any = None) -> An
     ax.set_xlabel("seconds")
     ax.set_title(title)
     handles = [Patch(color=c, label=p) for p, c in _COLORS.items()]
-    handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="raised"))
+    handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="raised / killed"))
     ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     return ax
 
@@ -233,5 +245,7 @@ def barrier_cost_worker(
             saves.append(time.monotonic() - start if dist.get_rank() == 0 else 0.0)
             barrier_safe(timeout_s=120)
             totals.append(time.monotonic() - start)
+            if dist.get_rank() == 0:
+                (Path(directory) / f"w{mb}_{i}.pt").unlink()  # hundreds of MiB otherwise
         results.append((sorted(saves)[repeats // 2], sorted(totals)[repeats // 2]))
     return results
