@@ -25,7 +25,7 @@ from refimpl.checkpoint import (
     step_dir_name,
     verify_checkpoint,
 )
-from refimpl.faults import inject_io_error, make_state
+from refimpl.faults import inject_io_error, make_state, trace_io
 
 DEAD_PID = 2**22 + 7
 
@@ -241,3 +241,12 @@ def test_load_checkpoint_returns_every_key(tmp_path: Path) -> None:
     state = {"model": {"w": torch.ones(3)}, "optim": {"lr": 0.1}, "meta": {"step": 4}}
     loaded = load_checkpoint(save_checkpoint(tmp_path, state, 4))
     assert sorted(loaded) == ["meta", "model", "optim"] and loaded["optim"] == {"lr": 0.1}
+
+
+def test_every_file_and_directory_is_fsynced_before_the_step_is_published(tmp_path: Path) -> None:
+    with trace_io() as events:
+        save_checkpoint(tmp_path, make_state(1, 10), 1)
+    fsyncs = [e for e in events if e.startswith("fsync")]
+    # model.pt, meta.pt, MANIFEST.json, COMMITTED; then the step directory; then, after the
+    # rename, its parent.
+    assert fsyncs == ["fsync file"] * 4 + ["fsync directory"] * 2

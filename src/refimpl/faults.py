@@ -118,7 +118,8 @@ def _check(mode: str, directory: Path, last: int, numel: int, report: KillReport
             step, state = 0, None
         except Exception as exc:  # a torn zip raises several types
             report.torn += 1
-            problems.append(f"torn: {type(exc).__name__}: {str(exc)[:100]}".splitlines()[0])
+            detail = (str(exc) or "file is empty or cut short").splitlines()[0][:100]
+            problems.append(f"torn: {type(exc).__name__}: {detail}")
             step, state = -1, None
     if step > 0 and not _matches(state, step, numel):
         report.torn += 1
