@@ -159,3 +159,20 @@ def test_save_benchmark_writes_json_and_png(tmp_path: Path) -> None:
     assert data["ratios"]["atomic_save / torch.save+fsync"] > 0
     assert (tmp_path / "save.png").stat().st_size > 0
     assert not (tmp_path / "_scratch").exists()
+
+
+def test_a_failed_directory_fsync_is_not_reported_as_an_untouched_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the directory sync failed: the new file is in place, and the error must say so."""
+    import refimpl.atomic as atomic
+
+    def failing_dir_sync(path: object) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(atomic, "fsync_dir", failing_dir_sync)
+    target = tmp_path / "f.bin"
+    with pytest.raises(OSError, match="may not survive a power cut") as info:
+        atomic_write_bytes(b"new", target)
+    assert info.value.errno == errno.EIO
+    assert target.read_bytes() == b"new" and _temps(tmp_path) == []

@@ -122,6 +122,7 @@ def atomic_write(
     """
     path = Path(path)
     f, tmp = _open_temp(path)
+    replaced = False
     try:
         with f:
             sink: Any = _HashingFile(f) if sha256 else f
@@ -130,12 +131,20 @@ def atomic_write(
             if durable:
                 _fsync(f.fileno())  # the kernel's page cache -> the disk
         _replace(tmp, path)  # atomic on POSIX: the old file or the new one, never a mix
+        replaced = True
         if durable:
             fsync_dir(path.parent)
     except BaseException as exc:  # KeyboardInterrupt must clean up too
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         os_error = _root_oserror(exc)
+        if os_error is not None and replaced:
+            raise OSError(
+                os_error.errno,
+                f"{path} was written and renamed, but syncing its directory failed "
+                f"({os_error.strerror or os_error}): the new file may not survive a power cut. "
+                "Check the disk (dmesg) and save again",
+            ) from exc
         if os_error is not None:
             raise OSError(
                 os_error.errno,
