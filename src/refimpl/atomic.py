@@ -227,11 +227,18 @@ def atomic_dir(
         if durable:
             _fsync_tree(tmp)
         os.rename(tmp, path)
-        if durable:
-            fsync_dir(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if durable:
+        try:
+            fsync_dir(path.parent)
+        except OSError as exc:
+            raise OSError(
+                exc.errno,
+                f"{path} was published, but syncing {path.parent} failed ({exc.strerror}): "
+                "it may not survive a power cut. Check the disk (dmesg)",
+            ) from exc
 
 
 def _pid_alive(pid: int) -> bool:
