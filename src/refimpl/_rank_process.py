@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+STARTUP_TIMEOUT_S = 60.0  # for ranks to start and meet, whatever the collective timeout
 TCPStore = dist.TCPStore  # type: ignore[attr-defined]  # not in torch.distributed's __all__
 
 
@@ -63,6 +64,21 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def wait_for_all_ranks(store: Any, world_size: int, timeout_s: float) -> None:
+    """Return once every rank has reached this point (a counter in the store).
+
+    A demo with a 2 s collective timeout must not fail because one rank started late on a
+    loaded machine: the short timeout is for the demo's collectives, not for start-up. So
+    the ranks line up here, under the long start-up timeout, before the group exists.
+    """
+    store.add("refimpl/arrived", 1)
+    deadline = time.monotonic() + timeout_s
+    while int(store.add("refimpl/arrived", 0)) < world_size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not all {world_size} ranks started within {timeout_s:g} s")
+        time.sleep(0.005)
+
+
 def bootstrap(
     rank: int,
     world_size: int,
@@ -98,8 +114,10 @@ def bootstrap(
     )
     torch.set_num_threads(1)  # N ranks share a few cores; oversubscription distorts timings
     try:
+        startup = datetime.timedelta(seconds=max(pg_timeout_s, STARTUP_TIMEOUT_S))
+        store = TCPStore("127.0.0.1", store_port, is_master=False, timeout=startup)
+        wait_for_all_ranks(store, world_size, startup.total_seconds())
         timeout = datetime.timedelta(seconds=pg_timeout_s)
-        store = TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )
