@@ -4,6 +4,13 @@ One concept per module; each matches a chapter of the book:
 
 - `refimpl.launch`: start N ranks from a notebook or test, never hang (chapter 1)
 - `refimpl.collectives`: collectives shown by hand, including a ring all-reduce (chapter 1)
+- `refimpl.ddp`, `refimpl.buckets`: DDP rebuilt, bucket assignment as PyTorch does it (chapters 2-3)
+- `refimpl.sync`: barriers that survive a slow rank-0 save, main_process_first (chapter 4)
+- `refimpl.atomic`, `refimpl.checkpoint`: atomic, durable, verified saves; safe loading (chapter 5)
+- `refimpl.faults`: the kill-the-saver harness behind chapter 5's evidence
+- `refimpl.bench`: ``python -m refimpl.bench {allreduce,ddp,save} --out DIR``
+
+Modules named ``*_demos`` hold the workers a chapter's notebook spawns.
 """
 
 __version__ = "0.1.0"

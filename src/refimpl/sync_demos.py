@@ -119,7 +119,9 @@ def _line_up() -> None:
 
 
 def short_error(exc: BaseException | None) -> str:
-    """The first line of an error without gloo's ``[/path/file.cc:78] `` prefix.
+    """The first line of an error without the source-location prefix gloo puts in front.
+
+    gloo starts its messages with ``[/path/file.cc:78]``; that prefix is dropped.
 
     gloo says "send" or "recv" depending on which half of an exchange timed out first, a
     race; both become "send/recv" so that printed errors are reproducible.
