@@ -3,9 +3,11 @@
 1. jupyter-book 1.0.4 runs sphinx-thebe's and sphinx-togglebutton's set-up twice, so every
    page declares ``const THEBE_JS_URL`` twice and the browser logs a SyntaxError. The second
    copy of any identical ``<script>`` line in a page's head is removed.
-2. The vendored widget bundle (book/_static/widgets) loads its icon fonts from
-   ``@jupyter-widgets/html-manager/dist/`` relative to the *page*, so the fonts are copied
-   next to every page that shows a widget.
+2. The vendored widget bundle (book/_static/widgets) loads its icon fonts relative to the
+   *page*, from the folder of whichever of its AMD modules registers the CSS first:
+   ``@jupyter-widgets/`` (base, controls) or ``@jupyter-widgets/html-manager/dist/``
+   (libembed-amd). Which one wins varies from load to load, so the fonts are copied to both
+   folders next to every page that shows a widget.
 
 The book's browser test fails on any unexpected console error; these are the two it found.
 """
@@ -18,6 +20,7 @@ from typing import Any
 
 FONT_DIR = Path(__file__).resolve().parent.parent / "_static" / "widgets" / "fonts"
 WIDGET_BUNDLE = "embed-amd-"
+FONT_FOLDERS = ("@jupyter-widgets", "@jupyter-widgets/html-manager/dist")
 
 
 def _dedupe_scripts(text: str) -> str:
@@ -43,10 +46,11 @@ def _fix_all(app: Any, exception: Exception | None) -> None:
         if new != text:
             path.write_text(new, encoding="utf-8")
         if WIDGET_BUNDLE in new:
-            fonts = path.parent / "@jupyter-widgets" / "html-manager" / "dist"
-            fonts.mkdir(parents=True, exist_ok=True)
-            for font in FONT_DIR.glob("*.woff2"):
-                shutil.copy2(font, fonts / font.name)
+            for sub in FONT_FOLDERS:
+                fonts = path.parent / sub
+                fonts.mkdir(parents=True, exist_ok=True)
+                for font in FONT_DIR.glob("*.woff2"):
+                    shutil.copy2(font, fonts / font.name)
 
 
 def setup(app: Any) -> dict[str, Any]:
