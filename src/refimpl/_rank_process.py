@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib
 import os
 import pickle
 import signal
@@ -25,6 +26,36 @@ import torch.distributed as dist
 
 STARTUP_TIMEOUT_S = 60.0  # for ranks to start and meet, whatever the collective timeout
 TCPStore = dist.TCPStore  # type: ignore[attr-defined]  # not in torch.distributed's __all__
+
+
+def as_child_sees_it(fn: Callable[..., Any]) -> tuple[Callable[..., Any], str | None]:
+    """``(fn as a child process will import it, None)``, or ``(fn, why it cannot)``.
+
+    A child finds the function by module and qualified name. A function of a module run
+    as ``python -m pkg.mod`` is called ``__main__.fn`` in the parent but ``pkg.mod.fn``
+    for everyone else, so it is swapped for that importable twin.
+    """
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", repr(fn))
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if module == "__main__" and spec is not None and spec.name not in ("__main__", None):
+        with contextlib.suppress(ImportError, AttributeError):
+            twin: Any = importlib.import_module(spec.name)
+            for part in qualname.split("."):
+                twin = getattr(twin, part)
+            if callable(twin):
+                return as_child_sees_it(twin)
+    if module in (None, "__main__", "__mp_main__"):
+        return fn, f"{qualname!r} is defined in __main__ (a notebook cell or the script you ran)"
+    if "<locals>" in qualname or "<lambda>" in qualname:
+        return fn, f"{qualname!r} is a lambda or a function defined inside another function"
+    try:
+        found: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError) as exc:
+        return fn, f"{module}.{qualname} cannot be imported ({exc})"
+    return fn, None if found is fn else f"{module}.{qualname} names a different object"
 
 
 def die_with_launcher(launcher_pid: int) -> None:

@@ -12,16 +12,13 @@ function runs on a laptop under `spawn` and on a cluster under `torchrun`.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import importlib
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import shutil
 import signal
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +28,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from refimpl._rank_process import TCPStore, bootstrap, kill_all, main_module_hidden, read_log
+from refimpl._rank_process import (
+    TCPStore,
+    as_child_sees_it,
+    bootstrap,
+    kill_all,
+    main_module_hidden,
+    read_log,
+)
 
 __all__ = [
     "DEFAULT_PG_TIMEOUT_S",
@@ -97,42 +101,16 @@ class RankInfo:
 
 
 def _importable(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Return ``fn`` as a child process will find it, or refuse before any process starts.
-
-    A function of a module run as ``python -m pkg.mod`` is called ``__main__.fn`` here but
-    ``pkg.mod.fn`` for everyone else, so it is swapped for the importable twin.
-    """
-    module = getattr(fn, "__module__", None)
-    qualname = getattr(fn, "__qualname__", repr(fn))
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    if module == "__main__" and spec is not None and spec.name not in ("__main__", None):
-        with contextlib.suppress(ImportError, AttributeError):
-            twin: Any = importlib.import_module(spec.name)
-            for part in qualname.split("."):
-                twin = getattr(twin, part)
-            if callable(twin):
-                return _importable(twin)
-    why = None
-    if module in (None, "__main__", "__mp_main__"):
-        why = f"{qualname!r} is defined in __main__ (a notebook cell or the script you ran)"
-    elif "<locals>" in qualname or "<lambda>" in qualname:
-        why = f"{qualname!r} is a lambda or a function defined inside another function"
-    else:
-        try:
-            found: Any = importlib.import_module(module)
-            for part in qualname.split("."):
-                found = getattr(found, part)
-            if found is not fn:
-                why = f"{module}.{qualname} names a different object"
-        except (ImportError, AttributeError) as exc:
-            why = f"{module}.{qualname} cannot be imported ({exc})"
+    """``fn`` as a child process will find it; refused before any process starts if none."""
+    found, why = as_child_sees_it(fn)
     if why is not None:
+        qualname = getattr(fn, "__qualname__", repr(fn))
         raise NotSpawnableError(
             f"cannot spawn {qualname!r}: {why}. Worker processes import the function by "
             "module and name, so it must live in an importable module. Put it in a .py "
             "file (the book keeps every worker in refimpl) and import it from there."
         )
-    return fn
+    return found
 
 
 def _is_collateral(failure: tuple[int, str, str, str, Any]) -> bool:
