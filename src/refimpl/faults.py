@@ -25,7 +25,6 @@ import random
 import stat
 import sys
 import time
-import types
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ from typing import IO, Any
 import torch
 
 from refimpl import atomic
+from refimpl._rank_process import main_module_hidden
 from refimpl.checkpoint import load_latest, save_checkpoint
 
 __all__ = [
@@ -166,7 +166,7 @@ def kill_trials(
         child = ctx.Process(
             target=_saver_child, args=(mode, str(directory), last + 1, numel, writer)
         )
-        with _main_hidden():
+        with main_module_hidden():
             child.start()
         writer.close()
         if not reader.poll(60) or reader.recv() != -1:
@@ -187,17 +187,6 @@ def kill_trials(
     if bar is not None:
         bar.close()
     return report
-
-
-@contextlib.contextmanager
-def _main_hidden() -> Iterator[None]:
-    """Start a child without re-running ``__main__`` in it (as refimpl.launch does)."""
-    real = sys.modules["__main__"]
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        sys.modules["__main__"] = real
 
 
 class _FailingFile:
