@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from refimpl.ddp import MiniDDP, NaiveDDP
-from refimpl.ddp_demos import Branchy, make_mlp
+from refimpl.demos.ddp import Branchy, make_mlp
 
 
 def unused_parity(rank_that_skips: int | None) -> dict[str, object]:

@@ -12,6 +12,7 @@ import nbformat
 import yaml
 
 import refimpl
+import refimpl.demos
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,8 +42,14 @@ def test_chapters_are_numbered_in_order_and_titled_with_their_number() -> None:
 def test_every_public_refimpl_module_is_in_the_api_reference() -> None:
     api = (ROOT / "book" / "api.md").read_text()
     documented = set(re.findall(r"automodule:: (refimpl[\w.]*)", api))
+
     public = {
         f"refimpl.{m.name}" for m in pkgutil.iter_modules(refimpl.__path__) if m.name[0] != "_"
+    }
+    public |= {
+        f"refimpl.demos.{m.name}"
+        for m in pkgutil.iter_modules(refimpl.demos.__path__)
+        if m.name[0] != "_"
     }
     assert public <= documented, f"missing from book/api.md: {sorted(public - documented)}"
 
@@ -62,8 +69,17 @@ def test_every_citation_has_a_bibliography_entry() -> None:
 
 
 def test_each_refimpl_module_has_a_test_file() -> None:
-    """Module X is tested in tests/test_X.py; the demo workers of X (X_demos) are too."""
-    for m in pkgutil.iter_modules(refimpl.__path__):
-        if m.name[0] != "_" and m.name != "bench":
-            owner = m.name.removesuffix("_demos")
-            assert (ROOT / "tests" / f"test_{owner}.py").exists(), f"no tests/test_{owner}.py"
+    """Module X is tested in tests/test_X.py; its demos (refimpl.demos.X) are tested there too."""
+
+    modules = [m.name for m in pkgutil.iter_modules(refimpl.__path__) if not m.ispkg]
+    modules += [m.name for m in pkgutil.iter_modules(refimpl.demos.__path__)]
+    for name in modules:
+        if name[0] != "_":
+            assert (ROOT / "tests" / f"test_{name}.py").exists(), f"no tests/test_{name}.py"
+
+
+def test_the_library_never_imports_a_demo_or_a_benchmark() -> None:
+    """What a trainer imports (refimpl.X) must not pull in the book's demos or benchmarks."""
+    for path in sorted((ROOT / "src" / "refimpl").glob("*.py")):
+        text = path.read_text()
+        assert not re.search(r"^\s*(from|import) refimpl\.(demos|bench)", text, re.M), path.name

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from refimpl.buckets import MB, assign_buckets, bucket_bytes
-from refimpl.ddp_demos import make_mlp, torch_ddp_buckets
+from refimpl.demos.ddp import make_mlp, torch_ddp_buckets
 from refimpl.launch import spawn
 
 

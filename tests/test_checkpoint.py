@@ -25,7 +25,7 @@ from refimpl.checkpoint import (
     step_dir_name,
     verify_checkpoint,
 )
-from refimpl.faults import inject_io_error, make_state, trace_io
+from refimpl.demos.faults import inject_io_error, make_state, trace_io
 
 DEAD_PID = 2**22 + 7
 

@@ -19,7 +19,7 @@ import _ddp_workers
 import pytest
 
 from refimpl.ddp import MiniDDP
-from refimpl.ddp_demos import (
+from refimpl.demos.ddp import (
     fp16_hook_error,
     hook_and_launch_order,
     make_mlp,

@@ -10,7 +10,7 @@ import pytest
 
 from refimpl.atomic import TEMP_TAG
 from refimpl.checkpoint import load_latest
-from refimpl.faults import KillReport, kill_trials, main, make_state
+from refimpl.demos.faults import KillReport, kill_trials, main, make_state
 
 
 def _assert_survived(report: KillReport, kills: int) -> None:

@@ -10,9 +10,7 @@ import _sync_workers
 import matplotlib
 import pytest
 
-from refimpl.launch import WorkerError, WorkerTimeout, spawn
-from refimpl.sync import barrier_safe, main_process_first
-from refimpl.sync_demos import (
+from refimpl.demos.sync import (
     Timeline,
     barrier_cost_worker,
     main_process_first_worker,
@@ -22,6 +20,8 @@ from refimpl.sync_demos import (
     straggler_worker,
     train_and_save_worker,
 )
+from refimpl.launch import WorkerError, WorkerTimeout, spawn
+from refimpl.sync import barrier_safe, main_process_first
 
 matplotlib.use("Agg")
 

@@ -7,10 +7,10 @@ One concept per module; each matches a chapter of the book:
 - `refimpl.ddp`, `refimpl.buckets`: DDP rebuilt, bucket assignment as PyTorch does it (chapters 2-3)
 - `refimpl.sync`: barriers that survive a slow rank-0 save, main_process_first (chapter 4)
 - `refimpl.atomic`, `refimpl.checkpoint`: atomic, durable, verified saves; safe loading (chapter 5)
-- `refimpl.faults`: the kill-the-saver harness behind chapter 5's evidence
 - `refimpl.bench`: ``python -m refimpl.bench {allreduce,ddp,save} --out DIR``
 
-Modules named ``*_demos`` hold the workers a chapter's notebook spawns.
+`refimpl.demos` holds the book's demos (the workers a chapter's notebook spawns, the fault
+harnesses); the library never imports it.
 """
 
 __version__ = "0.1.0"

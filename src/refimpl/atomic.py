@@ -44,7 +44,7 @@ TEMP_TAG = ".tmp-"
 COMMIT_MARKER = "COMMITTED"
 """`atomic_dir` writes this empty file last: a directory without it is not a checkpoint."""
 
-# Indirections the fault-injection harness (refimpl.faults) swaps to inject ENOSPC / EIO.
+# Indirections the fault-injection harness (refimpl.demos.faults) swaps to inject ENOSPC / EIO.
 _fsync: Callable[[int], None] = os.fsync
 _replace: Callable[[Any, Any], None] = os.replace
 

@@ -7,7 +7,7 @@ name the rank that is late (``monitored=True``). `main_process_first` lets rank 
 something (a file, a cache) before the other ranks read it, and turns a failure on rank 0
 into an error on every rank instead of a hang.
 
-The chapter's demos (the incident, its fixes, their timelines) are in `refimpl.sync_demos`.
+The chapter's demos (the incident, its fixes, their timelines) are in `refimpl.demos.sync`.
 """
 
 from __future__ import annotations

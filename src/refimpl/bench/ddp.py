@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from refimpl.bench import summarize, write_json
 from refimpl.ddp import MiniDDP, NaiveDDP
-from refimpl.ddp_demos import make_mlp
+from refimpl.demos.ddp import make_mlp
 from refimpl.launch import spawn
 
 IMPLS = ("naive", "mini", "torch")

@@ -301,8 +301,8 @@ def batch_split_matches_full_batch(per_rank: int = 4) -> float:
 
 
 def main() -> None:
-    """``python -m refimpl.ddp_demos``: MiniDDP vs torch DDP parity, on 2 local gloo ranks or
-    under ``torchrun --nproc-per-node=N -m refimpl.ddp_demos`` (rank 0 prints)."""
+    """``python -m refimpl.demos.ddp``: MiniDDP vs torch DDP parity, on 2 local gloo ranks or
+    under ``torchrun --nproc-per-node=N -m refimpl.demos.ddp`` (rank 0 prints)."""
     import os
 
     from refimpl.launch import init_from_env, spawn

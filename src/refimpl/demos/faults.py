@@ -10,7 +10,7 @@ checks what is on disk the way the next run would read it. Three writers are com
 
 After every kill the loaded state must be complete (it loads), equal to a state some save
 wrote, and no older than the last save that *returned*. `inject_io_error` makes the writer
-fail with ENOSPC / EIO instead. Run ``python -m refimpl.faults --kills 500`` for the long run.
+fail with ENOSPC / EIO instead. Run ``python -m refimpl.demos.faults --kills 500`` for the long run.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def kill_trials(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "refimpl.faults"])
+    ctx.set_forkserver_preload(["torch", "refimpl.demos.faults"])
     rng = random.Random(seed)
     report = KillReport(mode)
     last = 0
@@ -272,8 +272,8 @@ def trace_io() -> Iterator[list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m refimpl.faults --kills 500 [--modes plain,atomic,checkpoint] [--dir D]``."""
-    parser = argparse.ArgumentParser(prog="python -m refimpl.faults", description=__doc__)
+    """``python -m refimpl.demos.faults --kills 500 [--modes plain,atomic,checkpoint]``."""
+    parser = argparse.ArgumentParser(prog="python -m refimpl.demos.faults", description=__doc__)
     parser.add_argument("--kills", type=int, default=500, help="kills per mode")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--seed", type=int, default=0)
@@ -309,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run the imported module's main, so children pickle refimpl.faults._saver_child by its
+    # Run the imported module's main, so children pickle refimpl.demos.faults._saver_child by its
     # real name rather than as __main__._saver_child.
-    from refimpl.faults import main as _main
+    from refimpl.demos.faults import main as _main
 
     sys.exit(_main())
