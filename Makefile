@@ -1,17 +1,20 @@
 # Two commands do all the set-up on a fresh machine:
 #   make book   -> builds the HTML book into _build/html (makes .venv and installs what it needs)
 #   make test   -> lint, types, unit + multiprocess + fault-injection tests, nbval on every notebook
+#   make lab    -> JupyterLab on notebooks/, on localhost, with the .venv kernel (prints the URL)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+LAB_STAMP := $(VENV)/.lab-installed
+LAB_PORT ?= 8888
 NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=300
 export PYTHONHASHSEED := 0
 # Notebooks show figures through the inline backend; an inherited MPLBACKEND=Agg hides them.
 unexport MPLBACKEND
 
-.PHONY: venv test lint book browser-test notebooks clean
+.PHONY: venv test lint book browser-test lab notebooks clean
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +25,16 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+$(LAB_STAMP): $(STAMP) requirements-lab.txt
+	$(PY) -m pip install -q -r requirements-lab.txt
+	touch $(LAB_STAMP)
+
+# Open the notebooks interactively: JupyterLab bound to localhost only, kernel = this .venv.
+# It prints the URL (with its login token) to open; Ctrl-C stops it.
+lab: $(LAB_STAMP)
+	$(VENV)/bin/jupyter lab --no-browser --ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) \
+		--ServerApp.root_dir=$(CURDIR)/notebooks
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests tools notebooks
@@ -35,8 +48,9 @@ book: $(STAMP)
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going
 	@echo "Book built: open file://$(CURDIR)/_build/html/index.html"
 
-# Needs Debian's chromium (apt-get install -y chromium); .ci/run installs it.
-browser-test: $(STAMP)
+# Needs Debian's chromium (apt-get install -y chromium); .ci/run installs it. The built book's
+# pages, then the notebooks run live in JupyterLab (tests/browser/test_lab_in_chromium.py).
+browser-test: $(LAB_STAMP)
 	$(PY) -m pytest tests/browser -p no:cacheprovider
 
 # Re-execute every notebook in place and normalise it (run after editing one, then commit).
