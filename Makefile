@@ -34,7 +34,7 @@ $(LAB_STAMP): $(STAMP) requirements-lab.txt
 # It prints the URL (with its login token) to open; Ctrl-C stops it.
 lab: $(LAB_STAMP)
 	$(VENV)/bin/jupyter lab --no-browser --ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) \
-		--ServerApp.root_dir=$(CURDIR)/notebooks
+		--ServerApp.root_dir=$(CURDIR)/notebooks $(if $(filter 0,$(shell id -u)),--ServerApp.allow_root=True)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests tools notebooks
