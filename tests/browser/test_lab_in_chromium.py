@@ -43,6 +43,7 @@ SETTINGS = {
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false"},
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
 }
+VISIBLE = ".jp-NotebookPanel:not(.lm-mod-hidden)"  # the notebook on screen, not a hidden tab
 CH1 = "01_processes_ranks_collectives.ipynb"
 CH3 = "03_buckets_and_hooks.ipynb"
 # A demo that runs for a minute unless interrupted: rank 1 arrives 60 s late at a barrier.
@@ -183,8 +184,8 @@ def browser():  # type: ignore[no-untyped-def]
 def _open(browser: Any, lab: str, notebook: str) -> Any:
     """Open ``notebook`` in JupyterLab and wait for its kernel to be ready; return the page."""
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    page.goto(f"{lab}/lab/tree/notebooks/{notebook}?token={TOKEN}")
-    page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden)", timeout=60_000)
+    page.goto(f"{lab}/lab/tree/notebooks/{notebook}?reset&token={TOKEN}")  # no restored tabs
+    page.wait_for_selector(VISIBLE, timeout=60_000)
     page.wait_for_function(
         f"() => window.jupyterapp?.shell.currentWidget?.sessionContext && "
         f"{KERNEL_JS}?.status === 'idle'",
@@ -235,9 +236,9 @@ def _committed_text(notebook: str, needle: str) -> str:
 def test_chapter3_slider_redraws_the_bucket_figure_live(browser: Any, lab: str) -> None:
     page = _open(browser, lab, CH3)
     _run_all(page)
-    slider = page.locator(".widget-slider", has_text="bucket_cap_mb").first
+    slider = page.locator(f"{VISIBLE} .widget-slider", has_text="bucket_cap_mb").first
     slider.scroll_into_view_if_needed()
-    picture = page.locator(".widget-image").first
+    picture = page.locator(f"{VISIBLE} .widget-image").first
     readout = slider.locator(".widget-readout")
     before_value, before_png = readout.inner_text(), picture.screenshot()
 
@@ -280,7 +281,7 @@ def test_chapter1_runs_live_interrupt_stops_every_rank_and_shutdown_leaves_no_pr
 
     # A long demo, started from a new cell at the end, then the toolbar's interrupt button.
     # Typed as a reader would: select the last cell, B (new cell below), Enter, type, Shift+Enter.
-    page.locator(".jp-Notebook .jp-Cell").last.locator(".jp-InputPrompt").click()
+    page.locator(f"{VISIBLE} .jp-Cell").last.locator(".jp-InputPrompt").click()
     page.keyboard.press("Escape")
     page.keyboard.press("b")
     page.keyboard.press("Enter")
@@ -296,7 +297,7 @@ def test_chapter1_runs_live_interrupt_stops_every_rank_and_shutdown_leaves_no_pr
         time.sleep(0.2)
     time.sleep(2.0)  # both ranks are inside the demo now: rank 0 waits, rank 1 sleeps
     ranks = _descendants(kernel) - before
-    page.locator("jp-button[data-command='notebook:interrupt-kernel']").first.click()
+    page.locator(f"{VISIBLE} jp-button[data-command='notebook:interrupt-kernel']").click()
     clicked = time.monotonic()
     page.wait_for_function(RUN_STATE_JS, timeout=30_000, polling=250)  # the cell's error ends it
     while any(_alive(p) for p in ranks):
