@@ -6,11 +6,13 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from refimpl.atomic import (
+    _OWNER,
     COMMIT_MARKER,
     TEMP_TAG,
     atomic_dir,
@@ -118,10 +120,14 @@ def test_atomic_dir_refuses_an_existing_target(tmp_path: Path) -> None:
         pass
 
 
+def _temp(directory: Path, target: str, pid: int, owner: str = _OWNER) -> Path:
+    return directory / f".{target}{TEMP_TAG}{owner}-{pid}-abcd1234"
+
+
 def test_stale_temps_of_dead_writers_are_removed_live_ones_kept(tmp_path: Path) -> None:
-    dead_file = tmp_path / f".ckpt.pt{TEMP_TAG}{DEAD_PID}-abcd"
-    dead_dir = tmp_path / f".step_00000001{TEMP_TAG}{DEAD_PID}-beef"
-    live = tmp_path / f".ckpt.pt{TEMP_TAG}{os.getpid()}-cafe"
+    dead_file = _temp(tmp_path, "ckpt.pt", DEAD_PID)
+    dead_dir = _temp(tmp_path, "step_00000001", DEAD_PID)
+    live = _temp(tmp_path, "ckpt.pt", os.getpid())
     dead_file.write_bytes(b"torn")
     dead_dir.mkdir()
     (dead_dir / "model.pt").write_bytes(b"torn")
@@ -129,6 +135,78 @@ def test_stale_temps_of_dead_writers_are_removed_live_ones_kept(tmp_path: Path) 
     (tmp_path / "ckpt.pt").write_bytes(b"keep")
     assert remove_stale_temps(tmp_path) == sorted([dead_file, dead_dir])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "ckpt.pt"])
+
+
+def test_only_provably_ours_and_dead_is_deleted(tmp_path: Path) -> None:
+    """A user's file that merely contains .tmp-, a temp from an older refimpl (no owner tag),
+    and a dead-looking temp of a writer in another container (another owner tag, whose pid
+    means nothing here) all survive."""
+    keep = [
+        tmp_path / ".notes.tmp-draft",
+        tmp_path / f".ckpt.pt{TEMP_TAG}{DEAD_PID}-abcd",  # old format: owner unknown
+        _temp(tmp_path, "ckpt.pt", DEAD_PID, owner="0badc0de"),  # another PID namespace
+    ]
+    for p in keep:
+        p.write_bytes(b"not ours")
+    assert remove_stale_temps(tmp_path) == []
+    assert sorted(tmp_path.iterdir()) == sorted(keep)
+
+
+def test_a_killed_writers_temp_is_reaped_by_the_next_write_of_that_file(tmp_path: Path) -> None:
+    stale = _temp(tmp_path, "model.pt", DEAD_PID)
+    stale.write_bytes(b"x" * 1000)
+    other = _temp(tmp_path, "other.pt", DEAD_PID)
+    other.write_bytes(b"y")
+    atomic_save({"w": 1}, tmp_path / "model.pt")
+    assert not stale.exists() and other.exists()  # only the same target's temps
+
+
+def test_names_near_the_length_limit_work(tmp_path: Path) -> None:
+    for length in (236, 250, 255):
+        name = "m" * (length - 3) + ".pt"
+        atomic_save({"n": length}, tmp_path / name)
+        assert torch.load(tmp_path / name)["n"] == length
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_the_target_keeps_its_mode(tmp_path: Path) -> None:
+    secret = tmp_path / "token"
+    secret.write_bytes(b"old")
+    secret.chmod(0o600)
+    atomic_write_bytes(b"new", secret)
+    assert secret.read_bytes() == b"new" and (secret.stat().st_mode & 0o777) == 0o600
+
+
+def test_a_symlink_is_followed_and_kept(tmp_path: Path) -> None:
+    real = tmp_path / "real.bin"
+    real.write_bytes(b"old")
+    link = tmp_path / "link.bin"
+    link.symlink_to(real.name)
+    atomic_write_bytes(b"new", link)
+    assert link.is_symlink() and real.read_bytes() == b"new"
+
+
+def test_ctrl_c_mid_write_is_a_keyboard_interrupt_and_leaves_the_old_file(tmp_path: Path) -> None:
+    target = tmp_path / "model.pt"
+    atomic_save({"v": 1}, target)
+
+    class _InterruptedFile:
+        def __init__(self, f: Any) -> None:
+            self.f, self.n = f, 0
+
+        def write(self, data: Any) -> int:
+            self.n += len(data)
+            if self.n > 1 << 16:
+                raise KeyboardInterrupt
+            return int(self.f.write(data))
+
+        def flush(self) -> None:
+            self.f.flush()
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(target, lambda f: torch.save(torch.zeros(1 << 18), _InterruptedFile(f)))
+    assert torch.load(target) == {"v": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
 
 
 def test_ranks_saving_to_the_same_path_never_tear_it(tmp_path: Path) -> None:

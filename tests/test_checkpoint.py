@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from refimpl.atomic import COMMIT_MARKER, TEMP_TAG
+from refimpl.atomic import _OWNER, COMMIT_MARKER, TEMP_TAG
 from refimpl.checkpoint import (
     MANIFEST,
     CheckpointError,
@@ -167,10 +167,10 @@ def test_a_failed_resave_restores_the_old_copy_of_that_step(tmp_path: Path) -> N
 
 def test_stale_temps_are_cleaned_on_the_next_save(tmp_path: Path) -> None:
     save_checkpoint(tmp_path, make_state(1, 10), 1)
-    stale_dir = tmp_path / f".step_00000002{TEMP_TAG}{DEAD_PID}-0001"
+    stale_dir = tmp_path / f".step_00000002{TEMP_TAG}{_OWNER}-{DEAD_PID}-00000001"
     stale_dir.mkdir()
     (stale_dir / "model.pt").write_bytes(b"half")
-    (tmp_path / f".MANIFEST.json{TEMP_TAG}{DEAD_PID}-0002").write_bytes(b"{")
+    (tmp_path / f".MANIFEST.json{TEMP_TAG}{_OWNER}-{DEAD_PID}-00000002").write_bytes(b"{")
     assert load_latest(tmp_path)[0] == 1  # type: ignore[index]  # temps are never candidates
     save_checkpoint(tmp_path, make_state(2, 10), 2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000002"]
@@ -250,3 +250,255 @@ def test_every_file_and_directory_is_fsynced_before_the_step_is_published(tmp_pa
     # model.pt, meta.pt, MANIFEST.json, COMMITTED; then the step directory; then, after the
     # rename, its parent.
     assert fsyncs == ["fsync file"] * 4 + ["fsync directory"] * 2
+
+
+# --- Issue 14 / 13: a re-save never loses the committed copy ------------------------------
+
+
+def test_resave_killed_at_random_points_never_loses_the_step(tmp_path: Path) -> None:
+    """SIGKILL a process that re-saves step 3 (8 MB) at random moments: step 3 always loads,
+    as the old copy or the new one, never falls back to an older step or to nothing."""
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    save_checkpoint(tmp_path, make_state(3, 1 << 21), 3)
+    code = (
+        "import sys\nfrom refimpl.checkpoint import save_checkpoint\n"
+        "from refimpl.demos.faults import make_state\n"
+        "while True:\n    save_checkpoint(sys.argv[1], make_state(4, 1 << 21), 3)\n"
+    )
+    rng = random.Random(0)
+    outcomes = set()
+    for _ in range(12):
+        child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)])
+        time.sleep(rng.uniform(1.0, 2.5))  # torch import ~1 s, then saves back to back
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        found = load_latest(tmp_path)
+        assert found is not None and found[0] == 3, found
+        outcomes.add(int(found[1]["meta"]["step"]))
+    assert outcomes <= {3, 4}
+    save_checkpoint(tmp_path, make_state(5, 10), 5)  # the next save reaps the dead temps
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000003", "step_00000005"]
+
+
+@pytest.mark.parametrize(
+    "bad_value",
+    [lambda: 1, Path("/data/x"), __import__("numpy").float64(0.5)],
+    ids=["function", "pathlib.Path", "np.float64"],
+)
+def test_an_unloadable_state_is_refused_before_anything_is_written_or_pruned(
+    tmp_path: Path, bad_value: object
+) -> None:
+    save_checkpoint(tmp_path, {"meta": {"v": 1}}, 3)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    state = {"meta": {"v": 2, "extra": [1, {"bad": bad_value}]}}
+    with pytest.raises(CheckpointError, match=r"state\['meta'\]\['extra'\]\[1\]\['bad'\]") as info:
+        save_checkpoint(tmp_path, state, 3, keep_last=1)
+    assert "weights_only" in str(info.value) and "Fix:" in str(info.value)
+    with pytest.raises(CheckpointError):
+        save_checkpoint(tmp_path, state, 4, keep_last=1)  # a new step: nothing pruned either
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert load_latest(tmp_path) == (3, {"meta": {"v": 1}})
+
+
+def test_numpy_and_tensor_steps_are_accepted_floats_refused(tmp_path: Path) -> None:
+    import numpy as np
+
+    assert save_checkpoint(tmp_path, {"m": 1}, np.int64(3)).name == "step_00000003"  # type: ignore[arg-type]
+    assert save_checkpoint(tmp_path, {"m": 2}, torch.tensor(3)).name == "step_00000003"  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="integer"):
+        save_checkpoint(tmp_path, {"m": 3}, 3.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="keep_last"):
+        save_checkpoint(tmp_path, {"m": 3}, 4, keep_last=1.5)  # type: ignore[arg-type]
+    assert load_latest(tmp_path) == (3, {"m": 2})
+    assert _steps(tmp_path) == [3]
+
+
+def test_ctrl_c_during_a_resave_keeps_the_old_copy(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    save_checkpoint(tmp_path, {"meta": {"v": 1}}, 3)
+    import refimpl.checkpoint as ck
+
+    def interrupted(obj):  # type: ignore[no-untyped-def]
+        def write(f):  # type: ignore[no-untyped-def]
+            raise KeyboardInterrupt
+
+        return write
+
+    monkeypatch.setattr(ck, "_saver", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, {"meta": {"v": 2}}, 3)
+    monkeypatch.undo()
+    assert load_latest(tmp_path) == (3, {"meta": {"v": 1}})
+    assert [p.name for p in tmp_path.iterdir()] == ["step_00000003"]
+
+
+def test_two_writers_of_one_step_both_finish_and_the_step_loads(tmp_path: Path) -> None:
+    import threading
+
+    errors: list[BaseException] = []
+
+    def writer(v: int) -> None:
+        try:
+            for _ in range(10):
+                save_checkpoint(tmp_path, {"meta": {"v": v}}, 7)
+        except BaseException as exc:  # pragma: no cover - the failure being tested for
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(v,)) for v in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    found = load_latest(tmp_path)
+    assert found is not None and found[0] == 7 and found[1]["meta"]["v"] in (1, 2)
+
+
+# --- load_latest falls back; it never crashes on a damaged newest step -------------------
+
+
+def _edit_manifest(step_dir: Path, edit) -> None:  # type: ignore[no-untyped-def]
+    m = json.loads((step_dir / MANIFEST).read_text())
+    text = edit(m)
+    (step_dir / MANIFEST).write_text(text if isinstance(text, str) else json.dumps(m))
+
+
+HOSTILE_MANIFESTS = {
+    "files is a list": lambda m: m.update(files=list(m["files"])),
+    "bytes Infinity": lambda m: json.dumps(m).replace('"bytes": ', '"bytes": Infinity, "x": '),
+    "deeply nested": lambda m: "[" * 100_000 + "]" * 100_000,
+    "absolute path": lambda m: m["files"].update({"/etc/passwd": m["files"]["model.pt"]}),
+    "parent path": lambda m: m["files"].update({"../model.pt": m["files"]["model.pt"]}),
+    "omits a file": lambda m: m["files"].pop("meta.pt"),
+    "future format": lambda m: m.update(format=99),
+    "not an object": lambda m: "[1, 2]",
+    "bytes negative": lambda m: m["files"]["model.pt"].update(bytes=-1),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE_MANIFESTS))
+def test_a_hostile_manifest_is_skipped_with_a_reason(tmp_path: Path, kind: str) -> None:
+    save_checkpoint(tmp_path, make_state(1, 100), 1)
+    newest = save_checkpoint(tmp_path, make_state(2, 100), 2)
+    _edit_manifest(newest, HOSTILE_MANIFESTS[kind])
+    skipped: list[str] = []
+    found = load_latest(tmp_path, on_skip=lambda d, why: skipped.append(f"{d.name}: {why}"))
+    assert found is not None and found[0] == 1
+    assert len(skipped) == 1 and skipped[0].startswith("step_00000002") and "manifest" in skipped[0]
+
+
+def test_an_io_error_while_hashing_falls_back(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import refimpl.checkpoint as ck
+
+    save_checkpoint(tmp_path, make_state(1, 100), 1)
+    save_checkpoint(tmp_path, make_state(2, 100), 2)
+    real = ck._sha256_file
+
+    def failing(path: Path) -> str:
+        if "step_00000002" in str(path):
+            raise OSError(errno.EUCLEAN, "Structure needs cleaning", str(path))
+        return real(path)
+
+    monkeypatch.setattr(ck, "_sha256_file", failing)
+    skipped: list[str] = []
+    assert load_latest(tmp_path, on_skip=lambda d, why: skipped.append(why))[0] == 1  # type: ignore[index]
+    assert "Structure needs cleaning" in skipped[0]
+
+
+@pytest.mark.parametrize("exc", [IndexError, TypeError, KeyError, AttributeError, OverflowError])
+def test_whatever_a_crafted_file_makes_torch_raise_is_a_checkpoint_error(
+    tmp_path: Path,
+    monkeypatch,
+    exc: type,  # type: ignore[no-untyped-def]
+) -> None:
+    path = tmp_path / "x.pt"
+    torch.save({"a": 1}, path)
+
+    def crafted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise exc("index out of range in a crafted record")
+
+    monkeypatch.setattr(torch, "load", crafted)
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        safe_load(path)
+
+
+def test_hash_consistent_garbage_falls_back(tmp_path: Path) -> None:
+    import hashlib
+
+    save_checkpoint(tmp_path, make_state(1, 100), 1)
+    newest = save_checkpoint(tmp_path, make_state(2, 100), 2)
+    garbage = b"PK\x03\x04" + os.urandom(2000)
+    (newest / "model.pt").write_bytes(garbage)
+
+    def fix(m):  # type: ignore[no-untyped-def]
+        m["files"]["model.pt"] = {"sha256": hashlib.sha256(garbage).hexdigest(), "bytes": 2004}
+
+    _edit_manifest(newest, fix)
+    assert load_latest(tmp_path, on_skip=lambda d, why: None)[0] == 1  # type: ignore[index]
+
+
+def test_unicode_digits_are_not_step_numbers(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, {"m": 1}, 1)
+    (tmp_path / "step_\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0669").mkdir()
+    assert _steps(tmp_path) == [1]
+
+
+def test_what_is_not_ours_is_never_deleted(tmp_path: Path) -> None:
+    users_step = tmp_path / "step_00000050"  # no commit marker: not written by save_checkpoint
+    users_step.mkdir(parents=True)
+    (users_step / "notes.txt").write_text("mine")
+    draft = tmp_path / ".notes.tmp-draft"
+    draft.write_text("mine too")
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, {"m": step}, step, keep_last=1)
+    assert users_step.exists() and draft.exists()
+    assert _steps(tmp_path) == [3, 50]
+    assert load_latest(tmp_path, on_skip=lambda d, why: None) == (3, {"m": 3})
+
+
+# --- Issue 13: clear messages, versions, subsets, map_location ---------------------------
+
+
+def test_safe_load_keeps_the_line_naming_the_type_and_no_ansi(tmp_path: Path) -> None:
+    path = tmp_path / "x.pt"
+    torch.save({"p": Path("/data")}, path)
+    with pytest.raises(CheckpointError) as info:
+        safe_load(path)
+    text = str(info.value)
+    assert "PosixPath" in text and "safe_globals" in text and "\x1b[" not in text
+
+
+def test_load_latest_says_what_it_looked_at(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="refimpl.checkpoint"):
+        assert load_latest(tmp_path / "nope") is None
+    assert "does not exist" in caplog.text
+    ckpt = tmp_path / "run1" / "ckpt"
+    step_dir = save_checkpoint(ckpt, {"m": 1}, 1)
+    with pytest.raises(CheckpointError, match="one step, not a checkpoint directory"):
+        load_latest(step_dir)
+    with pytest.raises(CheckpointError, match="did you mean"):
+        load_latest(tmp_path / "run1")
+
+
+def test_manifest_records_format_and_versions(tmp_path: Path) -> None:
+    import refimpl
+
+    step_dir = save_checkpoint(tmp_path, {"m": 1}, 1)
+    manifest = verify_checkpoint(step_dir)
+    assert manifest["format"] == 2 and manifest["torch"] == torch.__version__
+    assert manifest["refimpl"] == refimpl.__version__
+
+
+def test_load_a_subset_of_keys_with_map_location(tmp_path: Path) -> None:
+    step_dir = save_checkpoint(tmp_path, {"model": {"w": torch.ones(2)}, "optim": {"s": 1}}, 1)
+    assert list(load_checkpoint(step_dir, keys=["model"])) == ["model"]
+    loaded = load_checkpoint(step_dir, keys=["model"], map_location=torch.device("cpu"))
+    assert torch.equal(loaded["model"]["w"], torch.ones(2))
+    with pytest.raises(CheckpointError, match="no key"):
+        load_checkpoint(step_dir, keys=["scaler"])

@@ -18,10 +18,13 @@ directory of files, and writes a commit marker last.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
+import re
 import secrets
 import shutil
+import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -37,12 +40,56 @@ __all__ = [
     "atomic_write_bytes",
     "fsync_dir",
     "remove_stale_temps",
+    "temp_path",
 ]
 
 TEMP_TAG = ".tmp-"
-"""Every temporary file or directory name contains this tag, then the writer's pid."""
+"""Every temporary name is ``.NAME.tmp-OWNER-PID-RANDOM``: OWNER identifies this machine and PID
+namespace, so a temp is only ever reaped by a process that can prove its writer is dead."""
 COMMIT_MARKER = "COMMITTED"
 """`atomic_dir` writes this empty file last: a directory without it is not a checkpoint."""
+
+_MAX_PLAIN_NAME = 200  # bytes; longer names get a hashed temp name (NAME_MAX is 255)
+_TEMP_RE = re.compile(r"\.(?P<base>.+)\.tmp-(?P<owner>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]{8}")
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _owner_tag() -> str:
+    """8 hex digits naming this host, boot and PID namespace.
+
+    A pid only means something inside one PID namespace on one machine: two containers on a
+    shared volume can both have a writer with pid 7. Only temps carrying our own tag can be
+    checked with ``kill(pid, 0)``; everyone else's are left alone.
+    """
+    parts = [socket.gethostname()]
+    for source in ("/proc/sys/kernel/random/boot_id",):
+        with contextlib.suppress(OSError):
+            parts.append(Path(source).read_text().strip())
+    with contextlib.suppress(OSError):
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:8]
+
+
+_OWNER = _owner_tag()
+
+
+def _temp_base(name: str) -> str:
+    """The part of a temp name that says which target it belongs to (hashed when too long)."""
+    if len(name.encode()) <= _MAX_PLAIN_NAME:
+        return name
+    return "~" + hashlib.sha256(name.encode()).hexdigest()[:16]
+
+
+def temp_path(path: str | os.PathLike[str]) -> Path:
+    """A fresh temporary name next to ``path``: ``.NAME.tmp-OWNER-PID-RANDOM``.
+
+    Same directory (so the final rename never crosses a filesystem), hidden, never reused,
+    and short enough for any legal ``path`` (a name near the 255-byte limit is hashed).
+    """
+    path = Path(path)
+    base = _temp_base(path.name)
+    return path.with_name(f".{base}{TEMP_TAG}{_OWNER}-{os.getpid()}-{secrets.token_hex(4)}")
+
 
 # Indirections the fault-injection harness (refimpl.demos.faults) swaps to inject ENOSPC / EIO.
 _fsync: Callable[[int], None] = os.fsync
@@ -50,9 +97,20 @@ _replace: Callable[[Any, Any], None] = os.replace
 
 
 def _open_temp(path: Path) -> tuple[IO[bytes], Path]:
-    """Create and open ``.NAME.tmp-PID-RANDOM`` next to ``path`` (exclusive, never reused)."""
-    tmp = path.with_name(f".{path.name}{TEMP_TAG}{os.getpid()}-{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    """Create and open a temp next to ``path`` (exclusive), with the mode ``path`` has.
+
+    A replaced file keeps its permission bits (a 0600 token stays 0600); a new file gets
+    0666 minus the umask, as ``open()`` would give it.
+    """
+    tmp = temp_path(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.fchmod(fd, os.stat(path).st_mode & 0o7777)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
     return os.fdopen(fd, "wb"), tmp
 
 
@@ -83,6 +141,27 @@ def _root_oserror(exc: BaseException) -> OSError | None:
             return seen
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+def _interrupt_in(exc: BaseException) -> BaseException | None:
+    """The KeyboardInterrupt behind ``exc``: torch.save's zip writer re-raises a Ctrl-C that
+    arrived mid-write as ``RuntimeError: unexpected pos``, with the interrupt as context."""
+    seen: BaseException | None = exc
+    for _ in range(20):
+        if seen is None:
+            return None
+        if isinstance(seen, KeyboardInterrupt):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _advice(err: OSError) -> str:
+    if err.errno in _DISK_FULL:
+        return "Free some space (or raise the quota), then save again"
+    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "Check the directory's permissions and that the filesystem is writable"
+    return "Check the disk (dmesg) and save again"
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -116,11 +195,19 @@ def atomic_write(
     ``path`` and the errno is raised. Returns the sha256 hex digest of the bytes written
     when ``sha256=True`` (computed while writing, so the file is not read back), else None.
 
+    Links: when ``path`` is a symlink, its target is replaced and the link kept. A hard link
+    to the old file keeps the old contents: a rename gives the name a new inode, so other
+    names of the old inode are not updated. The replaced file's permission bits are kept.
+    Temporaries that a killed earlier writer of ``path`` left behind are removed first.
+
     Example::
 
         atomic_write("notes.txt", lambda f: f.write(b"hello"))
     """
     path = Path(path)
+    if path.is_symlink():  # replace the link's target and keep the link
+        path = Path(os.path.realpath(path))
+    remove_stale_temps(path.parent, target=path.name)
     f, tmp = _open_temp(path)
     replaced = False
     try:
@@ -137,6 +224,9 @@ def atomic_write(
     except BaseException as exc:  # KeyboardInterrupt must clean up too
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        interrupt = _interrupt_in(exc)
+        if interrupt is not None and interrupt is not exc:
+            raise interrupt from exc  # Ctrl-C stays Ctrl-C, so `except KeyboardInterrupt` runs
         os_error = _root_oserror(exc)
         if os_error is not None and replaced:
             raise OSError(
@@ -149,8 +239,8 @@ def atomic_write(
             raise OSError(
                 os_error.errno,
                 f"atomic write of {path} failed ({os_error.strerror or os_error}); the previous "
-                f"{path.name} is untouched and the temporary file was removed. Check free "
-                "space and the disk (dmesg), then save again",
+                f"{path.name} is untouched and the temporary file was removed. "
+                f"{_advice(os_error)}",
             ) from exc
         raise
     return sink.sha256.hexdigest() if sha256 else None
@@ -218,7 +308,8 @@ def atomic_dir(
             f"{path} already exists; atomic_dir only creates new directories. Remove it or "
             "pick a new name (checkpoints use one directory per step)."
         )
-    tmp = path.with_name(f".{path.name}{TEMP_TAG}{os.getpid()}-{secrets.token_hex(4)}")
+    remove_stale_temps(path.parent, target=path.name)
+    tmp = temp_path(path)
     tmp.mkdir()
     try:
         yield tmp
@@ -251,19 +342,30 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_temps(directory: str | os.PathLike[str]) -> list[Path]:
-    """Delete temporary files and directories left in ``directory`` by dead writers.
+def remove_stale_temps(
+    directory: str | os.PathLike[str], *, target: str | None = None
+) -> list[Path]:
+    """Delete temporaries in ``directory`` whose writer is provably dead; return them, sorted.
 
-    A writer killed mid-save leaves its ``.NAME.tmp-PID-...`` behind. Entries whose PID is
-    still alive on this machine are kept (another writer may be mid-save); the rest are
-    removed. Returns what was removed, sorted.
+    Only names of the exact form `temp_path` makes are considered, and only those whose
+    OWNER tag is this machine's and PID namespace's, and whose PID is no longer running
+    (another writer may be mid-save; a writer in another container cannot be checked, so
+    its temps are left). A user's ``.notes.tmp-draft`` is never touched. ``target`` limits
+    the sweep to the temporaries of one file or directory name.
     """
     removed = []
-    for entry in sorted(Path(directory).iterdir()):
-        if TEMP_TAG not in entry.name or not entry.name.startswith("."):
+    base = None if target is None else _temp_base(target)
+    try:
+        entries = sorted(Path(directory).iterdir())
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        match = _TEMP_RE.fullmatch(entry.name)
+        if match is None or match["owner"] != _OWNER:
             continue
-        pid_text = entry.name.rsplit(TEMP_TAG, 1)[1].split("-", 1)[0]
-        if pid_text.isdigit() and _pid_alive(int(pid_text)):  # our own pid counts as alive
+        if base is not None and match["base"] != base:
+            continue
+        if _pid_alive(int(match["pid"])):  # our own pid counts as alive
             continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)

@@ -4,32 +4,47 @@ Layout: one directory per step, published atomically by `refimpl.atomic.atomic_d
 
     ckpt/step_00000200/
         model.pt  optim.pt  ...   one file per top-level key of the saved state
-        MANIFEST.json             step, and the sha256 and size of every file (written last)
+        MANIFEST.json             format, step, versions, and the sha256 and size of every file
         COMMITTED                 atomic_dir's marker (written after the manifest)
 
 `load_latest` walks the steps newest first and returns the first one that verifies (marker,
 manifest, every file's size and sha256) *before* anything is deserialised; each step it
 skips is reported with the reason. `safe_load` only ever uses ``weights_only=True``.
+
+What it promises, and the tests attack: a save never destroys the committed copy of a step,
+even when it re-saves that step and dies half-way; a state that could never be loaded is
+refused before anything is written or pruned; a damaged newest step (EIO, a hostile manifest,
+a crafted file) makes `load_latest` fall back, never crash; and nothing is deleted that this
+code did not write or whose writer may still be alive.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import ctypes
 import json
 import logging
+import operator
 import os
-import pickle
 import re
-import secrets
 import shutil
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
-from refimpl.atomic import COMMIT_MARKER, TEMP_TAG, atomic_dir, atomic_write, remove_stale_temps
+from refimpl import __version__
+from refimpl._manifest import FORMAT, KEY_RE, ManifestError, find_unloadable, fix_for, parse
+from refimpl.atomic import (
+    COMMIT_MARKER,
+    _fsync_tree,
+    atomic_write,
+    fsync_dir,
+    remove_stale_temps,
+    temp_path,
+)
 
 __all__ = [
     "MANIFEST",
@@ -45,8 +60,8 @@ __all__ = [
 
 MANIFEST = "MANIFEST.json"
 """Name of the manifest file inside every step directory."""
-_STEP_RE = re.compile(r"step_(\d{8,})")
-_KEY_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+_STEP_RE = re.compile(r"step_([0-9]{8,})", re.ASCII)  # ASCII digits only: "step_٠٠..." is not ours
+_ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _CHUNK = 1 << 20
 logger = logging.getLogger(__name__)
 
@@ -67,6 +82,19 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def _as_step(step: Any) -> int:
+    """``step`` as a plain int: numpy and 0-d integer tensors are accepted, floats are not."""
+    if isinstance(step, bool):
+        raise ValueError(f"step must be an integer, got {step!r}")
+    try:
+        value = operator.index(step)
+    except TypeError as exc:
+        raise ValueError(f"step must be an integer, got {type(step).__name__} {step!r}") from exc
+    if value < 0:
+        raise ValueError(f"step must be >= 0, got {value}")
+    return value
+
+
 def list_checkpoints(ckpt_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     """Every ``step_N`` directory in ``ckpt_dir`` (committed or not), oldest first."""
     root = Path(ckpt_dir)
@@ -81,6 +109,8 @@ def list_checkpoints(ckpt_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]
 
 
 def _sha256_file(path: Path) -> str:
+    import hashlib
+
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
@@ -88,80 +118,142 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _verify(step_dir: Path) -> dict[str, Any]:
+    if not (step_dir / COMMIT_MARKER).is_file():
+        raise CheckpointError(step_dir, f"incomplete: no {COMMIT_MARKER} marker (save unfinished)")
+    manifest_path = step_dir / MANIFEST
+    try:
+        raw = manifest_path.read_bytes()
+        present = {p.name for p in step_dir.iterdir()} - {MANIFEST, COMMIT_MARKER}
+        expected = parse(manifest_path, raw, present)
+    except (OSError, ManifestError) as exc:
+        raise CheckpointError(manifest_path, f"manifest missing or unreadable ({exc})") from exc
+    for name, (nbytes, digest) in sorted(expected.items()):
+        path = step_dir / name
+        if not path.is_file() or path.is_symlink():
+            raise CheckpointError(path, "missing or not a regular file (listed in the manifest)")
+        size = path.stat().st_size
+        if size != nbytes:
+            raise CheckpointError(path, f"size {size} bytes, manifest says {nbytes}")
+        if _sha256_file(path) != digest:
+            raise CheckpointError(path, "sha256 mismatch with the manifest (corrupted bytes)")
+    manifest: dict[str, Any] = json.loads(raw)
+    return manifest
+
+
 def verify_checkpoint(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """Check a step directory without deserialising it; return its manifest.
 
     Raises `CheckpointError` naming the first problem: no commit marker (the save never
-    finished), a missing or unreadable manifest, a missing file, a size that differs from
-    the manifest (truncated), or a sha256 that differs (a flipped bit, a partial overwrite).
+    finished), a missing, malformed or unknown-format manifest, a file the manifest does not
+    list (or lists but is missing), a size that differs (truncated), or a digest that differs
+    (a flipped bit, a partial overwrite). Filesystem errors while reading (EIO, EUCLEAN from
+    a damaged inode) are reported the same way, never raised raw.
     """
     step_dir = Path(step_dir)
-    if not (step_dir / COMMIT_MARKER).is_file():
-        raise CheckpointError(step_dir, f"incomplete: no {COMMIT_MARKER} marker (save unfinished)")
     try:
-        manifest: dict[str, Any] = json.loads((step_dir / MANIFEST).read_text())
-        files: dict[str, dict[str, Any]] = manifest["files"]
-        expected = {name: (int(m["bytes"]), str(m["sha256"])) for name, m in files.items()}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(
-            step_dir / MANIFEST, f"manifest missing or unreadable ({exc})"
-        ) from exc
-    for name, (nbytes, sha256) in sorted(expected.items()):
-        path = step_dir / name
-        if not path.is_file():
-            raise CheckpointError(path, "missing (listed in the manifest)")
-        size = path.stat().st_size
-        if size != nbytes:
-            raise CheckpointError(path, f"size {size} bytes, manifest says {nbytes}")
-        if _sha256_file(path) != sha256:
-            raise CheckpointError(path, "sha256 mismatch with the manifest (corrupted bytes)")
-    return manifest
+        return _verify(step_dir)
+    except CheckpointError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(step_dir, f"cannot be read ({exc})") from exc
 
 
-def safe_load(path: str | os.PathLike[str]) -> Any:
-    """``torch.load(path, weights_only=True)`` onto the CPU, and nothing less safe, ever.
+def _first_lines(text: str, limit: int = 12) -> str:
+    lines = [ln.rstrip() for ln in _ANSI_RE.sub("", text).strip().splitlines() if ln.strip()]
+    return "\n".join(lines[:limit]) + ("\n..." if len(lines) > limit else "")
+
+
+def safe_load(path: str | os.PathLike[str], *, map_location: Any = "cpu") -> Any:
+    """``torch.load(path, weights_only=True)``, and nothing less safe, ever.
 
     The weights-only unpickler only rebuilds tensors, containers and primitive types, so a
     file whose pickle would call arbitrary code (a ``__reduce__`` returning ``os.system``)
-    is refused with `CheckpointError` before any of its code runs. There is deliberately
-    no retry with ``weights_only=False``: that retry is exactly what an attacker wants.
+    is refused with `CheckpointError` before any of its code runs; the message keeps
+    torch's explanation, including the type you would have to allowlist. There is
+    deliberately no retry with ``weights_only=False``: that retry is exactly what an attacker
+    wants. Any other failure to read the file (truncated, crafted, unreadable) is a
+    `CheckpointError` too. ``map_location`` is passed to ``torch.load`` (default: the CPU).
     """
+    import pickle
+
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
             path,
-            f"refused: not a weights-only file ({first}). It asks to rebuild Python objects "
-            "that could run code. Do not retry with weights_only=False on a file you did "
-            "not write; if you trust its source, allowlist the type with "
-            "torch.serialization.add_safe_globals([...]).",
+            "refused: not a weights-only file. It asks to rebuild Python objects that could "
+            "run code. Do not retry with weights_only=False on a file you did not write; if "
+            "you trust its source, allowlist the type for this load only with "
+            "`with torch.serialization.safe_globals([...]):`. torch says:\n"
+            + _first_lines(str(exc)),
         ) from exc
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:
-        raise CheckpointError(path, f"cannot be read ({exc}); truncated or corrupt?") from exc
+    except (KeyboardInterrupt, SystemExit, MemoryError):
+        raise
+    except Exception as exc:  # crafted or damaged files raise IndexError, TypeError, ...
+        raise CheckpointError(
+            path, f"cannot be read ({type(exc).__name__}: {_first_lines(str(exc), 3)})"
+        ) from exc
 
 
-def load_checkpoint(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """Verify ``step_dir`` (see `verify_checkpoint`), then `safe_load` every file in it."""
+def load_checkpoint(
+    step_dir: str | os.PathLike[str],
+    *,
+    keys: Iterable[str] | None = None,
+    map_location: Any = "cpu",
+) -> dict[str, Any]:
+    """Verify ``step_dir`` (see `verify_checkpoint`), then `safe_load` its files.
+
+    ``keys`` loads only those top-level keys (every file is still verified first);
+    ``map_location`` goes to ``torch.load``, e.g. ``{"cuda:0": f"cuda:{local_rank}"}``.
+    """
     manifest = verify_checkpoint(step_dir)
-    return {name[: -len(".pt")]: safe_load(Path(step_dir) / name) for name in manifest["files"]}
+    names = {name[: -len(".pt")]: name for name in manifest["files"]}
+    wanted = list(names) if keys is None else list(keys)
+    unknown = [k for k in wanted if k not in names]
+    if unknown:
+        raise CheckpointError(step_dir, f"no key(s) {unknown}; it has {sorted(names)}")
+    return {k: safe_load(Path(step_dir) / names[k], map_location=map_location) for k in wanted}
 
 
 def _log_skip(step_dir: Path, reason: str) -> None:
     logger.warning("load_latest: skipped %s (%s); trying an older step", step_dir.name, reason)
 
 
+def _explain_empty(root: Path) -> None:
+    """Say what ``load_latest`` looked at when it found no step at all."""
+    if not root.exists():
+        logger.info("load_latest: %s does not exist: no checkpoint yet, starting fresh", root)
+        return
+    if not root.is_dir():
+        raise CheckpointError(root, "is not a directory; pass the checkpoint directory")
+    if _STEP_RE.fullmatch(root.name) or (root / MANIFEST).exists():
+        raise CheckpointError(
+            root, f"is one step, not a checkpoint directory: pass its parent {root.parent}"
+        )
+    nested = sorted({p.parent for p in root.glob("*/step_*") if _STEP_RE.fullmatch(p.name)})
+    if nested:
+        raise CheckpointError(
+            root, f"holds no step_N directories, but {nested[0]} does: did you mean that one?"
+        )
+    logger.info("load_latest: no step_N directories in %s: starting fresh", root)
+
+
 def load_latest(
     ckpt_dir: str | os.PathLike[str],
     *,
     on_skip: Callable[[Path, str], None] | None = None,
+    map_location: Any = "cpu",
 ) -> tuple[int, dict[str, Any]] | None:
     """The newest checkpoint in ``ckpt_dir`` that verifies, as ``(step, state)``; else None.
 
-    Steps are tried newest first. A step that is incomplete, corrupt or unloadable is
-    skipped and reported through ``on_skip(step_dir, reason)`` (by default a logged warning
-    naming the step and the reason), and the next older one is tried. Nothing is
-    deserialised before its bytes match the manifest.
+    Steps are tried newest first. A step that is incomplete, corrupt, unreadable (EIO) or
+    unloadable is skipped and reported through ``on_skip(step_dir, reason)`` (by default a
+    logged warning naming the step and the reason), and the next older one is tried: a
+    restarted job falls back, it does not crash on every start. Nothing is deserialised
+    before its bytes match the manifest. With no steps at all it returns None and logs what
+    it looked at; pointing it at a step directory, or at the parent of the checkpoint
+    directory, is a `CheckpointError` that says which directory to pass instead.
 
     Example::
 
@@ -169,11 +261,18 @@ def load_latest(
         start = 0 if found is None else found[0] + 1
     """
     report = on_skip or _log_skip
-    for step, step_dir in reversed(list_checkpoints(ckpt_dir)):
+    root = Path(ckpt_dir)
+    steps = list_checkpoints(root)
+    if not steps:
+        _explain_empty(root)
+        return None
+    for step, step_dir in reversed(steps):
         try:
-            return step, load_checkpoint(step_dir)
+            return step, load_checkpoint(step_dir, map_location=map_location)
         except CheckpointError as exc:
             report(step_dir, exc.reason if exc.path == step_dir else str(exc))
+        except OSError as exc:  # e.g. the directory vanished between listing and reading
+            report(step_dir, f"cannot be read ({exc})")
     return None
 
 
@@ -181,29 +280,88 @@ def _saver(obj: Any) -> Callable[[IO[bytes]], None]:
     return lambda f: torch.save(obj, f)
 
 
-def _temp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}{TEMP_TAG}{os.getpid()}-{secrets.token_hex(4)}")
+_RENAME_EXCHANGE = 2
 
 
-def _remove_dir(path: Path) -> None:
-    """Rename to a temp name first, so a kill mid-delete never leaves a half step_N."""
-    doomed = _temp_name(path)
-    os.rename(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two directory entries (Linux ``renameat2(RENAME_EXCHANGE)``).
+
+    Returns False where the kernel, libc or filesystem cannot (then the caller falls back).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: not supported here
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Make the complete directory ``tmp`` the step ``final``; an old ``final`` is replaced.
+
+    At every instant a committed ``final`` exists (if one did before): the swap is one atomic
+    exchange. Where exchange is unsupported, the old copy is renamed aside under a temp name
+    of ours only after the new copy is complete, and restored if the second rename fails.
+    """
+    if not final.exists():
+        try:
+            os.rename(tmp, final)
+            return
+        except OSError as exc:
+            if not final.exists():
+                raise
+            # Someone published this step between our check and our rename: fall through.
+            logger.warning("save_checkpoint: %s appeared while saving (%s)", final, exc)
+    if _exchange(tmp, final):
+        shutil.rmtree(tmp, ignore_errors=True)  # now holds the old copy
+        return
+    aside = temp_path(final)
+    os.rename(final, aside)
+    try:
+        os.rename(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.rename(aside, final)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _prune(ckpt_dir: Path, keep_last: int, saved_step: int) -> None:
-    """Keep ``keep_last`` committed steps up to ``saved_step``; never touch newer ones.
+    """Keep ``keep_last`` committed steps up to ``saved_step``; never touch anything else.
 
-    The step just saved is verified by construction and counts as one of them; anything
-    newer was written by an earlier run and is left for the user to judge.
+    The step just saved is verified by construction and counts as one of them. Newer steps
+    (written by an earlier run) and step directories without a commit marker (not written by
+    this code: ours only ever appear complete) are left for the user to judge.
     """
     older = [(s, d) for s, d in list_checkpoints(ckpt_dir) if s < saved_step]
     committed = [d for _, d in older if (d / COMMIT_MARKER).is_file()]
-    doomed = [d for _, d in older if not (d / COMMIT_MARKER).is_file()]
-    doomed += committed[: max(0, len(committed) - (keep_last - 1))]
-    for d in doomed:
-        _remove_dir(d)
+    for d in committed[: max(0, len(committed) - (keep_last - 1))]:
+        doomed = temp_path(d)  # rename first, so a kill mid-delete never leaves half a step
+        os.rename(d, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _validate(state: Mapping[str, Any], final: Path) -> None:
+    bad = [k for k in state if not (isinstance(k, str) and KEY_RE.fullmatch(k))]
+    if bad or not state:
+        raise ValueError(f"state must be a non-empty dict with file-name-safe str keys; bad: {bad}")
+    for key, value in state.items():
+        problem = find_unloadable(value, f"state[{key!r}]")
+        if problem:
+            raise CheckpointError(
+                final,
+                f"refused before writing anything: {problem}, which "
+                f"torch.load(weights_only=True) will not rebuild, so this checkpoint could "
+                f"never be loaded. Fix: {fix_for(problem)}.",
+            )
 
 
 def save_checkpoint(
@@ -216,53 +374,64 @@ def save_checkpoint(
 ) -> Path:
     """Save ``state`` as ``ckpt_dir/step_N`` atomically, with a sha256 manifest; return it.
 
-    Each top-level key becomes ``KEY.pt`` (sha256 computed while writing), then
-    ``MANIFEST.json`` and the commit marker, all inside a temporary directory that is
-    fsynced and renamed into place (`refimpl.atomic.atomic_dir`). Temporaries left by a
-    killed earlier save are removed first; afterwards only the ``keep_last`` newest
-    committed steps up to this one are kept. On failure (ENOSPC, EIO) a `CheckpointError`
-    names the step and the cause; earlier checkpoints and the previous copy of this step,
-    if any, are left intact. Call it on one rank only (see chapter 4).
+    Everything is checked before anything is touched: ``step`` (an int, numpy int or 0-d
+    integer tensor), ``keep_last``, the keys, and that every value is something
+    ``torch.load(weights_only=True)`` rebuilds (a ``pathlib.Path`` or ``np.float64`` is
+    refused with the key and the fix, since such a checkpoint could never be loaded). Each
+    top-level key becomes ``KEY.pt``, then ``MANIFEST.json`` and the commit marker, all in a
+    temporary directory that is fsynced and then published as ``step_N``. Re-saving an
+    existing step swaps the new copy in atomically, so a crash at any point leaves the old
+    copy or the new one. Temporaries that dead writers on this machine left are removed;
+    afterwards only the ``keep_last`` newest committed steps up to this one are kept. On
+    failure (ENOSPC, EIO) a `CheckpointError` names the step and the cause. Call it on one
+    rank only (see chapter 4).
 
     Example::
 
         save_checkpoint("ckpt", {"model": model.state_dict(), "optim": opt.state_dict()}, 200)
     """
-    if keep_last is not None and keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
-    bad = [k for k in state if not (isinstance(k, str) and _KEY_RE.fullmatch(k))]
-    if bad or not state:
-        raise ValueError(f"state must be a non-empty dict with file-name-safe str keys; bad: {bad}")
+    step = _as_step(step)
+    if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
+        raise ValueError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
     root = Path(ckpt_dir)
+    final = root / step_dir_name(step)
+    _validate(state, final)
     root.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(root)
-    final = root / step_dir_name(step)
-    aside = None
-    if final.exists():  # re-saving a step (a resumed run): keep the old copy until done
-        aside = _temp_name(final)
-        os.rename(final, aside)
+    tmp = temp_path(final)
     try:
-        with atomic_dir(final, durable=durable) as tmp:
-            files = {}
-            for key, value in state.items():
-                name = f"{key}.pt"
-                digest = atomic_write(tmp / name, _saver(value), durable=False, sha256=True)
-                files[name] = {"sha256": digest, "bytes": (tmp / name).stat().st_size}
-            manifest = {"format": 1, "step": step, "files": files}
-            atomic_write(
-                tmp / MANIFEST, lambda f: f.write(json.dumps(manifest).encode()), durable=False
-            )
+        tmp.mkdir()
+        files = {}
+        for key, value in state.items():
+            name = f"{key}.pt"
+            digest = atomic_write(tmp / name, _saver(value), durable=False, sha256=True)
+            files[name] = {"sha256": digest, "bytes": (tmp / name).stat().st_size}
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "files": files,
+            "torch": torch.__version__,
+            "refimpl": __version__,
+        }
+        atomic_write(
+            tmp / MANIFEST, lambda f: f.write(json.dumps(manifest).encode()), durable=False
+        )
+        (tmp / COMMIT_MARKER).touch()  # written last: its presence means "everything is here"
+        if durable:
+            _fsync_tree(tmp)
+        _publish(tmp, final)
+        if durable:
+            fsync_dir(root)
     except OSError as exc:
-        if aside is not None:
-            with contextlib.suppress(OSError):
-                os.rename(aside, final)
+        shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(
             final,
-            f"save of step {step} failed: {exc}. Earlier checkpoints are intact and the "
-            "temporary files were removed; fix the cause (free space? disk errors?) and retry.",
+            f"save of step {step} failed: {exc}. Earlier checkpoints (and any earlier copy of "
+            "this step) are intact and the temporary files were removed.",
         ) from exc
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if keep_last is not None:
         _prune(root, keep_last, step)
     return final

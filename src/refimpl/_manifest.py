@@ -1,0 +1,128 @@
+"""The checks `refimpl.checkpoint` runs before it writes anything and before it reads anything.
+
+Before a save: every value must be something ``torch.load(weights_only=True)`` will rebuild,
+or the checkpoint could be written, counted and never loaded. Before a load: the manifest is
+untrusted input (a crash, a bit flip or a hostile hand may have shaped it), so it is parsed
+defensively: bounded size, plain file names only, sizes that are real integers, and a file set
+that matches the directory exactly.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = 2
+"""The manifest format this version writes; it reads formats 1 and 2."""
+READABLE_FORMATS = (1, 2)
+MAX_MANIFEST_BYTES = 1 << 20  # a real manifest is a few KB; anything larger is not ours
+KEY_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+_HEX_RE = re.compile(r"[0-9a-f]{8,128}")
+# Exactly these types (not subclasses: np.float64 *is* a float, and is refused) load back.
+_PLAIN = (int, float, bool, complex, str, bytes, bytearray, type(None))
+_CONTAINERS = (dict, collections.OrderedDict, list, tuple, set, frozenset)
+_TORCH_VALUES = (torch.Size, torch.dtype, torch.device)
+
+
+class ManifestError(ValueError):
+    """The manifest is malformed; the message says how."""
+
+
+def find_unloadable(value: Any, where: str = "state", depth: int = 0) -> str | None:
+    """Where in ``value`` the first thing ``torch.load(weights_only=True)`` refuses is, or None.
+
+    Returns e.g. ``"state['meta']['path'] is a PosixPath"``. Types registered with
+    ``torch.serialization.add_safe_globals`` (or inside a ``safe_globals`` block) count as
+    loadable, as they will at load time in the same process.
+    """
+    if depth > 100:
+        return f"{where} is nested more than 100 levels deep"
+    kind = type(value)
+    if kind in _PLAIN or isinstance(value, torch.Tensor) or kind in _TORCH_VALUES:
+        return None
+    if kind in _CONTAINERS or kind is collections.Counter:
+        items = value.items() if isinstance(value, Mapping) else enumerate(value)
+        for key, item in items:
+            if isinstance(value, Mapping):
+                bad = find_unloadable(key, f"{where} key {key!r}", depth + 1)
+                if bad:
+                    return bad
+            bad = find_unloadable(item, f"{where}[{key!r}]", depth + 1)
+            if bad:
+                return bad
+        return None
+    allowed = [g[0] if isinstance(g, tuple) else g for g in torch.serialization.get_safe_globals()]
+    if any(kind is a for a in allowed):
+        return None
+    return f"{where} is a {kind.__module__}.{kind.__qualname__}"
+
+
+def fix_for(kind_text: str) -> str:
+    """A concrete suggestion for converting a refused value."""
+    if "numpy" in kind_text:
+        return "convert numpy values with .item() / float() / int(), arrays with torch.from_numpy"
+    if "Path" in kind_text:
+        return "store paths as str(path)"
+    return (
+        "convert it to tensors, numbers, strings and containers, or allowlist the type with "
+        "torch.serialization.add_safe_globals([...]) in every process that saves and loads"
+    )
+
+
+def parse(path: Path, raw: bytes, present: set[str]) -> dict[str, tuple[int, str]]:
+    """The manifest's ``{file name: (bytes, digest)}``, or `ManifestError` saying what is wrong.
+
+    ``present`` is the set of data files in the step directory (everything but the manifest
+    and the commit marker): the manifest must list every one of them, so a file that a forged
+    or damaged manifest leaves out cannot silently drop a key from the loaded state.
+    """
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{len(raw)} bytes, larger than any manifest refimpl writes")
+    try:
+        manifest = json.loads(raw, parse_constant=_no_constants)
+    except RecursionError as exc:
+        raise ManifestError("nested too deeply to be a manifest") from exc
+    except ValueError as exc:
+        raise ManifestError(f"not JSON ({exc})") from exc
+    if not isinstance(manifest, dict):
+        raise ManifestError(f"top level is a {type(manifest).__name__}, not an object")
+    fmt = manifest.get("format")
+    if fmt not in READABLE_FORMATS:
+        raise ManifestError(
+            f"format {fmt!r}; this refimpl reads formats {READABLE_FORMATS}. It was written by "
+            "another (newer?) refimpl: load it with that version"
+        )
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        raise ManifestError("'files' is missing or not a non-empty object")
+    expected: dict[str, tuple[int, str]] = {}
+    for name, entry in files.items():
+        if not (isinstance(name, str) and name.endswith(".pt") and KEY_RE.fullmatch(name[:-3])):
+            raise ManifestError(f"file name {name!r} is not a plain KEY.pt name in the step")
+        if not isinstance(entry, dict):
+            raise ManifestError(f"entry for {name} is not an object")
+        size, digest = entry.get("bytes"), entry.get("sha256", entry.get("crc32c"))
+        if type(size) is not int or size < 0:
+            raise ManifestError(f"size of {name} is {size!r}, not a byte count")
+        if not (isinstance(digest, str) and _HEX_RE.fullmatch(digest)):
+            raise ManifestError(f"digest of {name} is {digest!r}, not a hex string")
+        expected[name] = (size, digest)
+    extra = present - set(expected)  # (files it lists but that are missing: named by the caller)
+    if extra:
+        raise ManifestError(f"does not list {sorted(extra)}: the state would load incomplete")
+    return expected
+
+
+def _no_constants(name: str) -> Any:
+    raise ManifestError(f"contains {name}, which no manifest refimpl writes holds")
+
+
+def is_finite_number(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
