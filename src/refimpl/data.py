@@ -1,0 +1,150 @@
+"""A sampler whose position survives a restart on a different number of ranks.
+
+`ResumableSampler` draws one deterministic permutation of the dataset per epoch (from
+``seed + epoch``) and cuts it into *global* batches of ``batch_size * world_size`` stream
+positions; rank ``r`` takes the ``r``-th contiguous slice of ``batch_size`` of each global
+batch. Its state is the number of stream positions all ranks have drawn so far, a number that
+is the same on every rank and means the same thing at any world size. A sampler built for
+another world size that loads it continues the same permutation from the same place, so every
+sample of the epoch is drawn exactly once. (Converting a *per-rank step count* instead, as
+``step * old_ws // new_ws``, loses or repeats samples; chapter 6 counts them.)
+
+The tail: when fewer than one global batch of the epoch is left, ``tail="pad"`` (default)
+fills the last global batch with samples from the start of the permutation (stream positions
+``>= dataset_len``, reported by `is_padding`), so every sample is drawn and every rank gets a
+full batch; ``tail="drop"`` ends the epoch instead, and those last samples are not drawn in
+this epoch (`dropped_tail` says how many).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch
+from torch.utils.data import Sampler
+
+__all__ = ["ResumableSampler"]
+
+
+class ResumableSampler(Sampler[int]):
+    """This rank's sample indices, resumable at any world size.
+
+    ``state_dict()`` is ``{"seed", "epoch", "position"}``, with ``position`` the global
+    stream positions drawn this epoch. Under a ``DataLoader`` the sampler's own iterator runs
+    ahead of training (prefetching), so a trainer passes what it has *consumed*:
+    ``state_dict(batches_done=k)`` (k = batches this rank has trained on since the epoch's
+    start position). Example::
+
+        s = ResumableSampler(10, batch_size=2, rank=0, world_size=2, seed=0)
+        it = iter(s); [next(it) for _ in range(2)]     # first global batch, rank 0's half
+        st = s.state_dict(batches_done=1)              # {'seed': 0, 'epoch': 0, 'position': 4}
+        t = ResumableSampler(10, batch_size=4, rank=0, world_size=1, seed=0)
+        t.load_state_dict(st); list(t)   # the 6 samples no rank has drawn, + 2 of padding
+    """
+
+    def __init__(
+        self,
+        dataset_len: int,
+        *,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int = 0,
+        tail: Literal["pad", "drop"] = "pad",
+    ) -> None:
+        if dataset_len < 1 or batch_size < 1 or world_size < 1:
+            raise ValueError(
+                f"rank {rank}: dataset_len, batch_size and world_size must be >= 1, got "
+                f"{dataset_len}, {batch_size}, {world_size}"
+            )
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        if tail not in ("pad", "drop"):
+            raise ValueError(f"rank {rank}: tail must be 'pad' or 'drop', got {tail!r}")
+        self.dataset_len = dataset_len
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.tail = tail
+        self.epoch = 0
+        self._start = 0  # stream position this epoch's next iteration starts from
+        self._iter_start = 0  # where the current (or last) iteration started
+        self._yielded = 0  # indices the current iterator has handed out (runs ahead)
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its beginning, unless a loaded state is for this same epoch."""
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self._start = 0
+
+    def permutation(self) -> torch.Tensor:
+        """This epoch's order of all ``dataset_len`` indices (the same on every rank)."""
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.dataset_len, generator=g)
+
+    def _end(self, start: int) -> int:
+        """Stream position where the epoch ends when iteration starts at ``start``."""
+        left = max(0, self.dataset_len - start)
+        full, rest = divmod(left, self.global_batch)
+        if rest and self.tail == "pad":
+            full += 1
+        return start + full * self.global_batch
+
+    @property
+    def dropped_tail(self) -> int:
+        """Samples of this epoch never drawn because ``tail="drop"`` (0 with ``"pad"``)."""
+        return max(0, self.dataset_len - self._end(self._start))
+
+    def is_padding(self, position: int) -> bool:
+        """Whether a stream position is tail padding (a repeat added by ``tail="pad"``)."""
+        return position >= self.dataset_len
+
+    def positions(self) -> Iterator[int]:
+        """The stream positions this rank draws, from the current start to the epoch's end."""
+        b, g = self.batch_size, self.global_batch
+        for batch_start in range(self._start, self._end(self._start), g):
+            first = batch_start + self.rank * b
+            yield from range(first, first + b)
+
+    def __iter__(self) -> Iterator[int]:
+        perm = self.permutation().tolist()
+        self._iter_start, self._yielded = self._start, 0
+        for p in self.positions():
+            self._yielded += 1
+            yield perm[p % self.dataset_len]
+        # A finished epoch: the next iteration (after set_epoch) starts from the beginning.
+        self._start = 0
+
+    def __len__(self) -> int:
+        return (self._end(self._start) - self._start) // self.world_size
+
+    def state_dict(self, batches_done: int | None = None) -> dict[str, int]:
+        """The global position after ``batches_done`` batches of this rank since the start.
+
+        Without ``batches_done`` the sampler's own count of handed-out indices is used,
+        which is right only when nothing prefetches (``num_workers=0``, saved between
+        batches); with worker processes the iterator is several batches ahead.
+        """
+        if batches_done is None:
+            batches_done = self._yielded // self.batch_size
+        start = self._iter_start if self._yielded else self._start
+        position = min(start + batches_done * self.global_batch, self._end(start))
+        return {"seed": self.seed, "epoch": self.epoch, "position": position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (saved at any world size); the seed must match."""
+        if int(state["seed"]) != self.seed:
+            raise ValueError(
+                f"rank {self.rank}: sampler state has seed {state['seed']}, this sampler "
+                f"{self.seed}; the permutation would differ. Build the sampler with the "
+                "saved seed."
+            )
+        self.epoch = int(state["epoch"])
+        self._start = self._iter_start = int(state["position"])
+        self._yielded = 0

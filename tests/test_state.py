@@ -1,0 +1,99 @@
+"""Full training state: weights-only loadable, RNGs restored, DDP prefix gone, safetensors."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from refimpl.checkpoint import load_latest, safe_load, save_checkpoint
+from refimpl.state import (
+    capture_rng,
+    capture_state,
+    export_safetensors,
+    restore_rng,
+    restore_state,
+    unwrap_state_dict,
+)
+
+
+class _Wrapped(torch.nn.Module):  # what DDP looks like to state_dict: a `module` attribute
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = inner
+
+
+def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer, object, torch.amp.GradScaler]:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    opt = torch.optim.Adam(m.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu")
+    for _ in range(3):
+        opt.zero_grad()
+        scaler.scale(m(torch.randn(8, 16)).pow(2).mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+    return m, opt, sched, scaler
+
+
+def test_rng_round_trip_through_weights_only_load(tmp_path: Path) -> None:
+    torch.save(capture_rng(), tmp_path / "rng.pt")
+    a = (random.random(), float(np.random.rand()), torch.rand(3).tolist())
+    restore_rng(safe_load(tmp_path / "rng.pt"))
+    assert (random.random(), float(np.random.rand()), torch.rand(3).tolist()) == a
+
+
+def test_unwrap_removes_module_prefix() -> None:
+    inner = torch.nn.Linear(2, 2)
+    assert list(_Wrapped(inner).state_dict()) == ["module.weight", "module.bias"]
+    assert list(unwrap_state_dict(_Wrapped(inner))) == ["weight", "bias"]
+
+
+def test_full_state_round_trip_via_checkpoint(tmp_path: Path) -> None:
+    m, opt, sched, scaler = _trained()
+    state = capture_state(
+        _Wrapped(m), opt, scheduler=sched, scaler=scaler,
+        sampler_state={"seed": 0, "epoch": 1, "position": 24}, epoch=1, step=3, world_size=2,
+    )  # fmt: skip
+    save_checkpoint(tmp_path, state, step=3)
+    found = load_latest(tmp_path, map_location="cpu")
+    assert found is not None
+    m2, opt2, sched2, scaler2 = _trained()
+    torch.nn.init.zeros_(m2[0].weight)
+    opt2 = torch.optim.Adam(m2.parameters(), lr=0.1)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=0.5)
+    scaler2 = torch.amp.GradScaler("cpu", init_scale=2.0)
+    info = restore_state(found[1], m2, opt2, scheduler=sched2, scaler=scaler2)
+    assert info == {"epoch": 1, "step": 3, "world_size": 2,
+                    "sampler": {"seed": 0, "epoch": 1, "position": 24}}  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters(), strict=True))
+    assert sched2.state_dict() == sched.state_dict()
+    assert scaler2.get_scale() == scaler.get_scale()
+    s1, s2 = opt.state_dict()["state"], opt2.state_dict()["state"]
+    assert all(torch.equal(s1[k]["exp_avg_sq"], s2[k]["exp_avg_sq"]) for k in s1)
+
+
+def test_per_rank_rng_list_restores_own_rank() -> None:
+    torch.manual_seed(1)
+    r0 = capture_rng()
+    torch.manual_seed(2)
+    r1 = capture_rng()
+    expected = torch.rand(2)
+    m, opt, _, _ = _trained()
+    state = capture_state(m, opt, rng=[r0, r1])
+    restore_state(state, m, rank=1)
+    assert torch.equal(torch.rand(2), expected)
+
+
+def test_safetensors_export_is_half_precision_unwrapped(tmp_path: Path) -> None:
+    m, _, _, _ = _trained()
+    path = export_safetensors(_Wrapped(m), tmp_path / "model.safetensors")
+    loaded = load_file(path)
+    assert set(loaded) == set(m.state_dict()) and loaded["0.weight"].dtype == torch.float16
+    n_params = sum(p.numel() for p in m.parameters())
+    assert 2 * n_params <= path.stat().st_size < 2 * n_params + 1024  # header only on top
