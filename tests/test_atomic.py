@@ -254,3 +254,10 @@ def test_a_failed_directory_fsync_is_not_reported_as_an_untouched_file(
         atomic_write_bytes(b"new", target)
     assert info.value.errno == errno.EIO
     assert target.read_bytes() == b"new" and _temps(tmp_path) == []
+
+
+def test_xxh3_is_computed_while_writing(tmp_path: Path) -> None:
+    import xxhash
+
+    digest = atomic_write(tmp_path / "f.bin", lambda f: f.write(b"abc" * 1000), digest="xxh3_128")
+    assert digest == xxhash.xxh3_128(b"abc" * 1000).hexdigest()

@@ -94,15 +94,16 @@ def _flip_bit(p: Path) -> None:
 
 def _wrong_manifest(step_dir: Path) -> None:
     m = json.loads((step_dir / MANIFEST).read_text())
-    m["files"]["model.pt"]["sha256"] = "0" * 64
+    entry = m["files"]["model.pt"]
+    entry[next(k for k in entry if k != "bytes")] = "0" * 32
     (step_dir / MANIFEST).write_text(json.dumps(m))
 
 
 CORRUPTIONS = {
     "truncated": (lambda d: _truncate(d / "model.pt"), "model.pt", "manifest says"),
-    "flipped bit": (lambda d: _flip_bit(d / "model.pt"), "model.pt", "sha256 mismatch"),
+    "flipped bit": (lambda d: _flip_bit(d / "model.pt"), "model.pt", "xxh3_128 mismatch"),
     "missing file": (lambda d: (d / "model.pt").unlink(), "model.pt", "missing"),
-    "manifest mismatch": (_wrong_manifest, "model.pt", "sha256 mismatch"),
+    "manifest mismatch": (_wrong_manifest, "model.pt", "xxh3_128 mismatch"),
     "no manifest": (lambda d: (d / MANIFEST).unlink(), MANIFEST, "manifest missing"),
     "no marker": (lambda d: (d / COMMIT_MARKER).unlink(), "step_00000002", "incomplete"),
 }
@@ -128,7 +129,7 @@ def test_default_fallback_report_is_a_logged_warning(tmp_path: Path, caplog) -> 
     save_checkpoint(tmp_path, make_state(1, 10), 1)
     _flip_bit(save_checkpoint(tmp_path, make_state(2, 10), 2) / "model.pt")
     assert load_latest(tmp_path)[0] == 1  # type: ignore[index]
-    assert "skipped step_00000002" in caplog.text and "sha256 mismatch" in caplog.text
+    assert "skipped step_00000002" in caplog.text and "xxh3_128 mismatch" in caplog.text
 
 
 def test_every_checkpoint_corrupt_loads_nothing_and_says_so(tmp_path: Path) -> None:
@@ -396,14 +397,14 @@ def test_an_io_error_while_hashing_falls_back(tmp_path: Path, monkeypatch) -> No
 
     save_checkpoint(tmp_path, make_state(1, 100), 1)
     save_checkpoint(tmp_path, make_state(2, 100), 2)
-    real = ck._sha256_file
+    real = ck._digest_file
 
-    def failing(path: Path) -> str:
+    def failing(path: Path, algorithm: str) -> str:
         if "step_00000002" in str(path):
             raise OSError(errno.EUCLEAN, "Structure needs cleaning", str(path))
-        return real(path)
+        return real(path, algorithm)
 
-    monkeypatch.setattr(ck, "_sha256_file", failing)
+    monkeypatch.setattr(ck, "_digest_file", failing)
     skipped: list[str] = []
     assert load_latest(tmp_path, on_skip=lambda d, why: skipped.append(why))[0] == 1  # type: ignore[index]
     assert "Structure needs cleaning" in skipped[0]
@@ -502,3 +503,19 @@ def test_load_a_subset_of_keys_with_map_location(tmp_path: Path) -> None:
     assert torch.equal(loaded["model"]["w"], torch.ones(2))
     with pytest.raises(CheckpointError, match="no key"):
         load_checkpoint(step_dir, keys=["scaler"])
+
+
+def test_a_format_1_checkpoint_with_sha256_digests_still_loads(tmp_path: Path) -> None:
+    import hashlib
+
+    step_dir = save_checkpoint(tmp_path, {"meta": {"v": 1}}, 1)
+
+    def to_format_1(m):  # type: ignore[no-untyped-def]
+        data = (step_dir / "meta.pt").read_bytes()
+        m.update(
+            format=1,
+            files={"meta.pt": {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}},
+        )
+
+    _edit_manifest(step_dir, to_format_1)
+    assert load_latest(tmp_path) == (1, {"meta": {"v": 1}})

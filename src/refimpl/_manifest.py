@@ -22,6 +22,7 @@ import torch
 FORMAT = 2
 """The manifest format this version writes; it reads formats 1 and 2."""
 READABLE_FORMATS = (1, 2)
+DIGEST_NAMES = ("xxh3_128", "sha256")  # what we write now; what format 1 wrote
 MAX_MANIFEST_BYTES = 1 << 20  # a real manifest is a few KB; anything larger is not ours
 KEY_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _HEX_RE = re.compile(r"[0-9a-f]{8,128}")
@@ -76,8 +77,8 @@ def fix_for(kind_text: str) -> str:
     )
 
 
-def parse(path: Path, raw: bytes, present: set[str]) -> dict[str, tuple[int, str]]:
-    """The manifest's ``{file name: (bytes, digest)}``, or `ManifestError` saying what is wrong.
+def parse(path: Path, raw: bytes, present: set[str]) -> dict[str, tuple[int, str, str]]:
+    """The manifest's ``{file: (bytes, algorithm, digest)}``, or `ManifestError` saying why not.
 
     ``present`` is the set of data files in the step directory (everything but the manifest
     and the commit marker): the manifest must list every one of them, so a file that a forged
@@ -102,18 +103,22 @@ def parse(path: Path, raw: bytes, present: set[str]) -> dict[str, tuple[int, str
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
         raise ManifestError("'files' is missing or not a non-empty object")
-    expected: dict[str, tuple[int, str]] = {}
+    expected: dict[str, tuple[int, str, str]] = {}
     for name, entry in files.items():
         if not (isinstance(name, str) and name.endswith(".pt") and KEY_RE.fullmatch(name[:-3])):
             raise ManifestError(f"file name {name!r} is not a plain KEY.pt name in the step")
         if not isinstance(entry, dict):
             raise ManifestError(f"entry for {name} is not an object")
-        size, digest = entry.get("bytes"), entry.get("sha256", entry.get("crc32c"))
+        size = entry.get("bytes")
+        algorithms = [a for a in DIGEST_NAMES if a in entry]
         if type(size) is not int or size < 0:
             raise ManifestError(f"size of {name} is {size!r}, not a byte count")
+        if len(algorithms) != 1:
+            raise ManifestError(f"entry for {name} needs exactly one of {DIGEST_NAMES}")
+        digest = entry[algorithms[0]]
         if not (isinstance(digest, str) and _HEX_RE.fullmatch(digest)):
             raise ManifestError(f"digest of {name} is {digest!r}, not a hex string")
-        expected[name] = (size, digest)
+        expected[name] = (size, algorithms[0], digest)
     extra = present - set(expected)  # (files it lists but that are missing: named by the caller)
     if extra:
         raise ManifestError(f"does not list {sorted(extra)}: the state would load incomplete")

@@ -30,9 +30,11 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
+import xxhash
 
 __all__ = [
     "COMMIT_MARKER",
+    "DIGESTS",
     "TEMP_TAG",
     "atomic_dir",
     "atomic_save",
@@ -114,15 +116,19 @@ def _open_temp(path: Path) -> tuple[IO[bytes], Path]:
     return os.fdopen(fd, "wb"), tmp
 
 
-class _HashingFile:
-    """A write-only file wrapper that feeds every byte written into a sha256."""
+DIGESTS: dict[str, Callable[[], Any]] = {"sha256": hashlib.sha256, "xxh3_128": xxhash.xxh3_128}
+"""Digest algorithms `atomic_write` can compute while writing, by name."""
 
-    def __init__(self, f: IO[bytes]) -> None:
+
+class _HashingFile:
+    """A write-only file wrapper that feeds every byte written into a digest."""
+
+    def __init__(self, f: IO[bytes], algorithm: str) -> None:
         self._f = f
-        self.sha256 = hashlib.sha256()
+        self.hash = DIGESTS[algorithm]()
 
     def write(self, data: Any) -> int:
-        self.sha256.update(data)
+        self.hash.update(data)
         return self._f.write(data)
 
     def flush(self) -> None:
@@ -185,6 +191,7 @@ def atomic_write(
     *,
     durable: bool = True,
     sha256: bool = False,
+    digest: str | None = None,
 ) -> str | None:
     """Call ``write(f)`` on a temporary file, then move it over ``path`` atomically.
 
@@ -192,8 +199,9 @@ def atomic_write(
     flush, fsync, ``os.replace``, fsync of the directory (``durable=False`` skips both
     fsyncs: still atomic against a killed process, not against a power cut). On any error
     the temporary file is removed, ``path`` is left as it was, and an ``OSError`` naming
-    ``path`` and the errno is raised. Returns the sha256 hex digest of the bytes written
-    when ``sha256=True`` (computed while writing, so the file is not read back), else None.
+    ``path`` and the errno is raised. Returns the hex digest of the bytes written when
+    ``digest`` names an algorithm of `DIGESTS` (``sha256=True`` means ``digest="sha256"``),
+    computed while writing, so the file is never read back; else None.
 
     Links: when ``path`` is a symlink, its target is replaced and the link kept. A hard link
     to the old file keeps the old contents: a rename gives the name a new inode, so other
@@ -204,6 +212,7 @@ def atomic_write(
 
         atomic_write("notes.txt", lambda f: f.write(b"hello"))
     """
+    algorithm = digest or ("sha256" if sha256 else None)
     path = Path(path)
     if path.is_symlink():  # replace the link's target and keep the link
         path = Path(os.path.realpath(path))
@@ -212,7 +221,7 @@ def atomic_write(
     replaced = False
     try:
         with f:
-            sink: Any = _HashingFile(f) if sha256 else f
+            sink: Any = _HashingFile(f, algorithm) if algorithm else f
             write(sink)
             f.flush()  # Python's buffer -> the kernel
             if durable:
@@ -243,7 +252,7 @@ def atomic_write(
                 f"{_advice(os_error)}",
             ) from exc
         raise
-    return sink.sha256.hexdigest() if sha256 else None
+    return str(sink.hash.hexdigest()) if algorithm else None
 
 
 def atomic_write_bytes(

@@ -4,11 +4,11 @@ Layout: one directory per step, published atomically by `refimpl.atomic.atomic_d
 
     ckpt/step_00000200/
         model.pt  optim.pt  ...   one file per top-level key of the saved state
-        MANIFEST.json             format, step, versions, and the sha256 and size of every file
+        MANIFEST.json             format, step, versions, and the size and digest of every file
         COMMITTED                 atomic_dir's marker (written after the manifest)
 
 `load_latest` walks the steps newest first and returns the first one that verifies (marker,
-manifest, every file's size and sha256) *before* anything is deserialised; each step it
+manifest, every file's size and digest) *before* anything is deserialised; each step it
 skips is reported with the reason. `safe_load` only ever uses ``weights_only=True``.
 
 What it promises, and the tests attack: a save never destroys the committed copy of a step,
@@ -39,6 +39,7 @@ from refimpl import __version__
 from refimpl._manifest import FORMAT, KEY_RE, ManifestError, find_unloadable, fix_for, parse
 from refimpl.atomic import (
     COMMIT_MARKER,
+    DIGESTS,
     _fsync_tree,
     atomic_write,
     fsync_dir,
@@ -108,14 +109,20 @@ def list_checkpoints(ckpt_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]
     return sorted(found)
 
 
-def _sha256_file(path: Path) -> str:
-    import hashlib
+DIGEST = "xxh3_128"
+"""The digest written for every file. Its job is to catch accidental damage (a torn write, a
+flipped bit, a truncated copy): a 128-bit hash misses a random corruption with probability
+2**-128, and xxh3 runs at memory speed, so verifying costs little next to the write. It is not
+a defence against someone who can rewrite the directory (they would rewrite the manifest
+too); weights-only loading (`safe_load`) is that defence."""
 
-    digest = hashlib.sha256()
+
+def _digest_file(path: Path, algorithm: str) -> str:
+    digest = DIGESTS[algorithm]()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
-    return digest.hexdigest()
+    return str(digest.hexdigest())
 
 
 def _verify(step_dir: Path) -> dict[str, Any]:
@@ -128,15 +135,15 @@ def _verify(step_dir: Path) -> dict[str, Any]:
         expected = parse(manifest_path, raw, present)
     except (OSError, ManifestError) as exc:
         raise CheckpointError(manifest_path, f"manifest missing or unreadable ({exc})") from exc
-    for name, (nbytes, digest) in sorted(expected.items()):
+    for name, (nbytes, algorithm, digest) in sorted(expected.items()):
         path = step_dir / name
         if not path.is_file() or path.is_symlink():
             raise CheckpointError(path, "missing or not a regular file (listed in the manifest)")
         size = path.stat().st_size
         if size != nbytes:
             raise CheckpointError(path, f"size {size} bytes, manifest says {nbytes}")
-        if _sha256_file(path) != digest:
-            raise CheckpointError(path, "sha256 mismatch with the manifest (corrupted bytes)")
+        if _digest_file(path, algorithm) != digest:
+            raise CheckpointError(path, f"{algorithm} mismatch with the manifest (corrupted bytes)")
     manifest: dict[str, Any] = json.loads(raw)
     return manifest
 
@@ -372,7 +379,7 @@ def save_checkpoint(
     *,
     durable: bool = True,
 ) -> Path:
-    """Save ``state`` as ``ckpt_dir/step_N`` atomically, with a sha256 manifest; return it.
+    """Save ``state`` as ``ckpt_dir/step_N`` atomically, with a verified manifest; return it.
 
     Everything is checked before anything is touched: ``step`` (an int, numpy int or 0-d
     integer tensor), ``keep_last``, the keys, and that every value is something
@@ -404,8 +411,8 @@ def save_checkpoint(
         files = {}
         for key, value in state.items():
             name = f"{key}.pt"
-            digest = atomic_write(tmp / name, _saver(value), durable=False, sha256=True)
-            files[name] = {"sha256": digest, "bytes": (tmp / name).stat().st_size}
+            digest = atomic_write(tmp / name, _saver(value), durable=False, digest=DIGEST)
+            files[name] = {DIGEST: digest, "bytes": (tmp / name).stat().st_size}
         manifest = {
             "format": FORMAT,
             "step": step,
