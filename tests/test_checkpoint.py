@@ -519,3 +519,41 @@ def test_a_format_1_checkpoint_with_sha256_digests_still_loads(tmp_path: Path) -
 
     _edit_manifest(step_dir, to_format_1)
     assert load_latest(tmp_path) == (1, {"meta": {"v": 1}})
+
+
+# --- python -m refimpl.checkpoint ---------------------------------------------------------
+
+
+def _cli(*args: str) -> tuple[int, str]:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "refimpl.checkpoint", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_cli_list_verify_inspect_on_good_and_corrupted_checkpoints(tmp_path: Path) -> None:
+    for step in (100, 200):
+        save_checkpoint(tmp_path, {"model": {"w": torch.ones(64, 32)}, "optim": {"s": step}}, step)
+    code, out = _cli("list", str(tmp_path))
+    assert code == 0 and out.count("verified") == 2, out
+    code, out = _cli("inspect", str(tmp_path / "step_00000200"))
+    assert code == 0 and "model.w: tensor (64, 32) float32" in out and "torch 2." in out, out
+    code, out = _cli("verify", str(tmp_path / "step_00000200"))
+    assert code == 0 and out.startswith("OK"), out
+
+    _flip_bit(tmp_path / "step_00000200" / "model.pt")
+    code, out = _cli("verify", str(tmp_path))
+    assert code == 1 and "BAD" in out and "step_00000200/model.pt" in out, out
+    assert "OK" in out and "step_00000100" in out  # the good step is still reported good
+    code, out = _cli("list", str(tmp_path))
+    assert code == 1 and "BAD: xxh3_128 mismatch" in out, out
+    code, out = _cli("inspect", str(tmp_path / "step_00000200"))
+    assert code == 1 and "mismatch" in out, out
+    code, out = _cli("verify", str(tmp_path / "empty"))
+    assert code == 1 and "nothing to verify" in out, out

@@ -442,3 +442,11 @@ def save_checkpoint(
     if keep_last is not None:
         _prune(root, keep_last, step)
     return final
+
+
+if __name__ == "__main__":
+    import sys
+
+    from refimpl._checkpoint_cli import main
+
+    sys.exit(main())

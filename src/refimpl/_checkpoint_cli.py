@@ -1,0 +1,133 @@
+"""``python -m refimpl.checkpoint {list,verify,inspect} PATH``: look at checkpoints from a shell.
+
+- ``list DIR``: every step, its size, and whether it is complete and verifies;
+- ``verify DIR|STEP_DIR``: exit status 0 only if everything checked verifies (a directory of
+  steps: every committed step), else 1, naming the bad file and the reason;
+- ``inspect STEP_DIR``: keys, tensor shapes and dtypes, and the versions that wrote it.
+
+Nothing is unpickled before it verifies, and then only with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from refimpl.atomic import COMMIT_MARKER
+from refimpl.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    list_checkpoints,
+    load_checkpoint,
+    verify_checkpoint,
+)
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _steps_or_one(path: Path) -> list[tuple[int | None, Path]]:
+    if (path / MANIFEST).exists() or (path / COMMIT_MARKER).exists():
+        return [(None, path)]
+    return [(step, d) for step, d in list_checkpoints(path)]
+
+
+def _cmd_list(path: Path) -> int:
+    steps = list_checkpoints(path)
+    if not steps:
+        print(f"{path}: no step_N directories")
+        return 1
+    bad = 0
+    for step, step_dir in steps:
+        try:
+            verify_checkpoint(step_dir)
+            status = "verified"
+        except CheckpointError as exc:
+            status, bad = f"BAD: {exc.reason}", bad + 1
+        print(f"{step:>10}  {_human(_size(step_dir)):>10}  {status}")
+    return 1 if bad else 0
+
+
+def _cmd_verify(path: Path) -> int:
+    targets = _steps_or_one(path)
+    if not targets:
+        print(f"{path}: nothing to verify (no step_N directories, not a step directory)")
+        return 1
+    failed = 0
+    for _, step_dir in targets:
+        try:
+            manifest = verify_checkpoint(step_dir)
+            print(f"OK   {step_dir}: {len(manifest['files'])} files verified")
+        except CheckpointError as exc:
+            failed += 1
+            print(f"BAD  {exc.path}: {exc.reason}")
+    return 1 if failed else 0
+
+
+def _describe(value: Any, prefix: str, lines: list[str], limit: int = 40) -> None:
+    if len(lines) >= limit:
+        return
+    if isinstance(value, torch.Tensor):
+        lines.append(f"{prefix}: tensor {tuple(value.shape)} {str(value.dtype).split('.')[-1]}")
+    elif isinstance(value, dict):
+        if not value:
+            lines.append(f"{prefix}: {{}}")
+        for key, item in value.items():
+            _describe(item, f"{prefix}.{key}", lines, limit)
+    elif isinstance(value, (list, tuple)) and len(value) > 8:
+        lines.append(f"{prefix}: {type(value).__name__} of {len(value)}")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _describe(item, f"{prefix}[{i}]", lines, limit)
+    else:
+        lines.append(f"{prefix}: {type(value).__name__} {value!r:.60}")
+
+
+def _cmd_inspect(path: Path) -> int:
+    try:
+        manifest = verify_checkpoint(path)
+        state = load_checkpoint(path)
+    except CheckpointError as exc:
+        print(f"BAD  {exc.path}: {exc.reason}")
+        return 1
+    print(
+        f"{path}: step {manifest.get('step')}, format {manifest.get('format')}, "
+        f"torch {manifest.get('torch', '?')}, refimpl {manifest.get('refimpl', '?')}"
+    )
+    for key, value in state.items():
+        lines: list[str] = []
+        _describe(value, key, lines)
+        for line in lines:
+            print(f"  {line}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m refimpl.checkpoint``; returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="python -m refimpl.checkpoint",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in (
+        ("list", "steps, sizes, verified or not"),
+        ("verify", "exit 0 only if everything verifies"),
+        ("inspect", "keys, shapes, dtypes, versions of one step"),
+    ):
+        sub.add_parser(name, help=text).add_argument("path", type=Path)
+    args = parser.parse_args(argv)
+    command = {"list": _cmd_list, "verify": _cmd_verify, "inspect": _cmd_inspect}
+    return command[args.command](args.path)
