@@ -97,3 +97,14 @@ def test_safetensors_export_is_half_precision_unwrapped(tmp_path: Path) -> None:
     assert set(loaded) == set(m.state_dict()) and loaded["0.weight"].dtype == torch.float16
     n_params = sum(p.numel() for p in m.parameters())
     assert 2 * n_params <= path.stat().st_size < 2 * n_params + 1024  # header only on top
+
+
+def test_per_rank_rng_list_not_restored_on_other_world_size() -> None:
+    m, opt, _, _ = _trained()
+    torch.manual_seed(1)
+    state = capture_state(m, opt, rng=[capture_rng(), capture_rng()])
+    torch.manual_seed(7)
+    expected = torch.rand(2)
+    torch.manual_seed(7)
+    restore_state(state, m, rank=1, world_size=4)
+    assert torch.equal(torch.rand(2), expected)

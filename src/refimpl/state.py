@@ -124,6 +124,7 @@ def restore_state(
     scheduler: Any = None,
     scaler: Any = None,
     rank: int = 0,
+    world_size: int | None = None,
 ) -> dict[str, Any]:
     """Load ``state`` into the given objects; return ``{"epoch", "step", "world_size",
     "sampler"}``.
@@ -145,8 +146,8 @@ def restore_state(
         scaler.load_state_dict(state["scaler"])
     rng = state.get("rng")
     if isinstance(rng, list):
-        if len(rng) == 1 or rank < len(rng):
-            restore_rng(rng[rank if len(rng) > 1 else 0])
+        if world_size in (None, len(rng)) and rank < len(rng):
+            restore_rng(rng[rank])
     elif rng is not None:
         restore_rng(rng)
     return {

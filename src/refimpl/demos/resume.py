@@ -20,6 +20,7 @@ from torch.utils.data import DistributedSampler
 
 from refimpl.checkpoint import load_latest, save_checkpoint
 from refimpl.data import ResumableSampler
+from refimpl.device import rank_device
 from refimpl.state import capture_rng, capture_state, restore_state
 
 Draws = list[tuple[int, bool]]  # (sample index, is tail padding)
@@ -124,14 +125,14 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
     sampler = ResumableSampler(cfg["n"], batch_size=cfg["batch_size"], rank=rank, world_size=ws)
     start = 0
     if cfg.get("resume"):
-        found = load_latest(cfg["ckpt_dir"], map_location="cpu")
+        found = load_latest(cfg["ckpt_dir"], map_location=rank_device())
         assert found is not None, f"rank {rank}: no checkpoint in {cfg['ckpt_dir']}"
         state = found[1]
         if not cfg.get("restore_rng", True):
             state = {**state, "rng": None}
         info = restore_state(
             state, model, opt if cfg.get("restore_optimizer", True) else None,
-            scheduler=sched, scaler=scaler, rank=rank,
+            scheduler=sched, scaler=scaler, rank=rank, world_size=ws,
         )  # fmt: skip
         if info["world_size"] != ws:
             torch.manual_seed(100 + rank)  # per-rank RNG cannot map across world sizes
