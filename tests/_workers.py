@@ -84,3 +84,56 @@ def real_cause_on_rank1_wrapped_collateral_on_rank0() -> None:
         dist.all_reduce(torch.ones(1))
     except Exception as exc:
         raise RuntimeError("rank 0: all-reduce did not complete") from exc
+
+
+def die_while_reporting(n_mb: int) -> bytes:
+    """Rank 1 returns a large result and is SIGKILLed while it is being sent back."""
+    import signal
+    import threading
+
+    if dist.get_rank() == 1:
+
+        def kill_soon() -> None:
+            time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        payload = b"x" * (n_mb << 20)
+        threading.Thread(target=kill_soon, daemon=True).start()
+        return payload
+    return b"ok"
+
+
+def print_no_flush(fail: bool) -> int:
+    """Prints the way user code does: no flush=True."""
+    print(f"hello from rank {dist.get_rank()}")
+    if fail and dist.get_rank() == 1:
+        raise RuntimeError("after printing")
+    return dist.get_rank()
+
+
+def dataloader_workers_in_a_rank() -> int:
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=4, num_workers=2)
+    return int(sum(int(batch.sum()) for batch in loader))
+
+
+def killed_by_realtime_signal() -> None:
+    import signal
+
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGRTMIN + 1)
+        time.sleep(5)
+
+
+def return_unpicklable() -> object:
+    return lambda: None
+
+
+def raise_exception_parent_cannot_import() -> None:
+    import sys
+    import types
+
+    module = types.ModuleType("only_in_the_rank")
+    exc_type = type("GhostError", (Exception,), {"__module__": "only_in_the_rank"})
+    module.GhostError = exc_type  # type: ignore[attr-defined]
+    sys.modules["only_in_the_rank"] = module
+    raise exc_type("a class the launcher cannot import")

@@ -214,3 +214,71 @@ def test_root_cause_wins_over_a_peer_wrapping_its_connection_error() -> None:
         )
     assert info.value.rank == 1
     assert isinstance(info.value.__cause__, ValueError)
+
+
+# --- Issue 14: whatever a rank does, spawn ends within timeout_s with the rank named ------
+
+
+def test_a_rank_killed_while_its_result_is_in_flight_never_hangs_the_launcher() -> None:
+    import time
+
+    start = time.monotonic()
+    try:
+        spawn(_workers.die_while_reporting, 2, 200, timeout_s=30)
+    except WorkerError as err:
+        assert err.rank == 1 and "SIGKILL" in str(err), err
+    assert time.monotonic() - start < 40
+
+
+def test_what_ranks_print_survives_without_pythonunbuffered(tmp_path: Path) -> None:
+    """Jupyter, CI and pytest give ranks a non-terminal stdout; user code does not flush."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    tests_dir = str(Path(__file__).parent)
+    env["PYTHONPATH"] = tests_dir + os.pathsep + env.get("PYTHONPATH", "")
+    code = (
+        "import _workers\nfrom refimpl.launch import spawn, WorkerError\n"
+        "spawn(_workers.print_no_flush, 2, False, rank_output={mode!r}, timeout_s=60)\n"
+        "try:\n    spawn(_workers.print_no_flush, 2, True, timeout_s=60)\n"
+        "except WorkerError as err:\n    print('FAILED RANK OUTPUT:', err.output.strip())\n"
+    )
+    for mode in ("show", "inherit", "hide"):
+        done = subprocess.run(
+            [sys.executable, "-c", code.format(mode=mode)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
+        assert done.returncode == 0, done.stderr
+        if mode == "show":
+            assert "[rank 0] hello from rank 0" in done.stdout
+            assert "[rank 1] hello from rank 1" in done.stdout
+        if mode == "inherit":
+            assert "hello from rank 0" in done.stdout and "hello from rank 1" in done.stdout
+        assert "FAILED RANK OUTPUT: hello from rank 1" in done.stdout, (mode, done.stdout)
+
+
+def test_a_rank_can_start_dataloader_workers() -> None:
+    assert spawn(_workers.dataloader_workers_in_a_rank, 2, timeout_s=120) == [28, 28]
+
+
+def test_a_rank_killed_by_a_realtime_signal_is_named() -> None:
+    with pytest.raises(WorkerError, match=r"rank 1 was killed by SIGRTMIN\+1") as info:
+        spawn(_workers.killed_by_realtime_signal, 2, timeout_s=60)
+    assert info.value.rank == 1
+
+
+def test_an_unpicklable_return_value_says_what_happened() -> None:
+    with pytest.raises(WorkerError, match="cannot be pickled") as info:
+        spawn(_workers.return_unpicklable, 1, timeout_s=60)
+    assert info.value.rank == 0 and "function" in str(info.value)
+
+
+def test_an_exception_the_launcher_cannot_import_is_still_a_worker_error() -> None:
+    with pytest.raises(WorkerError, match="cannot unpickle") as info:
+        spawn(_workers.raise_exception_parent_cannot_import, 1, timeout_s=60)
+    assert info.value.rank == 0

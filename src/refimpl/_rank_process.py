@@ -82,6 +82,17 @@ def die_with_launcher(launcher_pid: int) -> None:
     threading.Thread(target=watch, name="refimpl-launcher-watch", daemon=True).start()
 
 
+def signal_name(signum: int) -> str:
+    """``SIGKILL`` for 9, ``SIGRTMIN+1`` for a real-time signal, ``signal 99`` otherwise."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        rtmin = getattr(signal, "SIGRTMIN", None)
+        if rtmin is not None and rtmin <= signum <= getattr(signal, "SIGRTMAX", rtmin):
+            return f"SIGRTMIN+{signum - rtmin}"
+        return f"signal {signum}"
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -119,11 +130,16 @@ def bootstrap(
     env: dict[str, str],
     fn: Callable[..., Any],
     args: tuple[Any, ...],
-    results: Any,
+    result_path: str,
     log_path: str | None,
     launcher_pid: int,
 ) -> None:
-    """Body of every worker process: set up the group, run ``fn``, report back."""
+    """Body of every worker process: set up the group, run ``fn``, report back.
+
+    The report is a file, written under a temporary name and renamed into place: the
+    launcher sees all of it or none of it, so a rank killed while reporting (SIGKILL, the OOM
+    killer) can never leave the launcher blocked on half a message, as a pipe would.
+    """
     os.setpgrp()  # own process group: the launcher kills the rank and its children at once
     die_with_launcher(launcher_pid)
     if log_path is not None:
@@ -133,6 +149,12 @@ def bootstrap(
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
         os.close(log_fd)
+    # Line-buffer what the rank prints: with stdout a file or pipe (Jupyter, CI, pytest, a
+    # redirected log) Python buffers in blocks, and a rank that exits or is killed would lose
+    # its last lines. The finally block below flushes the rest.
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     os.environ.clear()
     os.environ.update(env)
     os.environ.update(
@@ -152,7 +174,16 @@ def bootstrap(
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )
-        results.put((rank, "ok", pickle.dumps(fn(*args))))
+        value = fn(*args)
+        try:
+            report: tuple[str, Any] = ("ok", pickle.dumps(value))
+        except Exception as exc:
+            raise TypeError(
+                f"rank {rank}: the return value of {getattr(fn, '__qualname__', fn)} (a "
+                f"{type(value).__module__}.{type(value).__qualname__}) cannot be pickled, so it "
+                f"cannot be sent back to the launcher ({exc}). Return plain data: tensors, "
+                "numbers, strings, lists and dicts of them."
+            ) from exc
     except BaseException as exc:  # everything, even SystemExit, must reach the launcher
         text = traceback.format_exc()
         try:
@@ -160,14 +191,34 @@ def bootstrap(
             pickle.loads(payload)
         except Exception:  # some exceptions do not survive pickling
             payload = b""
-        results.put((rank, "error", (type(exc).__name__, str(exc), text, payload)))
+        report = ("error", (type(exc).__name__, str(exc), text, payload))
     finally:
         # Report first, tear down second: destroying the group makes the peers fail with
         # "connection closed", and the launcher must see this rank's real error before theirs.
-        results.close()
-        results.join_thread()
+        _write_report(result_path, report)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+def _write_report(path: str, report: tuple[str, Any]) -> None:
+    tmp = f"{path}.part"
+    with open(tmp, "wb") as f:
+        pickle.dump(report, f)
+    os.replace(tmp, path)  # atomic: the launcher never reads half a report
+
+
+def read_report(path: str) -> tuple[str, Any] | None:
+    """The report a rank left at ``path``, or None if it has not (or never will) report."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    report: tuple[str, Any] = pickle.loads(data)
+    return report
 
 
 @contextlib.contextmanager

@@ -16,9 +16,7 @@ import datetime
 import multiprocessing as mp
 import os
 import pickle
-import queue
 import shutil
-import signal
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +33,8 @@ from refimpl._rank_process import (
     kill_all,
     main_module_hidden,
     read_log,
+    read_report,
+    signal_name,
 )
 
 __all__ = [
@@ -130,7 +130,7 @@ def _is_collateral(failure: tuple[int, str, str, str, Any]) -> bool:
 
 def _exit_reason(exitcode: int | None) -> str:
     if exitcode is not None and exitcode < 0:
-        return f"was killed by {signal.Signals(-exitcode).name}"
+        return f"was killed by {signal_name(-exitcode)}"
     return f"exited with code {exitcode} without reporting a result"
 
 
@@ -166,6 +166,7 @@ def spawn(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
+    deadline = time.monotonic() + timeout_s  # start-up counts: the limit is wall-clock
     fn = _importable(fn)
     if pg_timeout_s is None:
         pg_timeout_s = min(DEFAULT_PG_TIMEOUT_S, timeout_s)
@@ -176,13 +177,13 @@ def spawn(
         ctx.set_forkserver_preload(["torch", "torch.distributed", "refimpl._rank_process"])
     if rank_output not in ("hide", "show", "inherit"):
         raise ValueError(f"rank_output must be 'hide', 'show' or 'inherit', not {rank_output!r}")
-    log_dir = None if rank_output == "inherit" else tempfile.mkdtemp(prefix="refimpl-ranks-")
+    run_dir = tempfile.mkdtemp(prefix="refimpl-ranks-")
     logs = [
-        None if log_dir is None else os.path.join(log_dir, f"rank{r}.log")
+        None if rank_output == "inherit" else os.path.join(run_dir, f"rank{r}.log")
         for r in range(world_size)
     ]
+    reports = [os.path.join(run_dir, f"rank{r}.result") for r in range(world_size)]
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    results = ctx.Queue()
     env = dict(os.environ)
     procs = [
         ctx.Process(
@@ -196,12 +197,15 @@ def spawn(
                 env,
                 fn,
                 args,
-                results,
+                reports[r],
                 logs[r],
                 os.getpid(),
             ),
             name=f"rank{r}",
-            daemon=True,
+            # Not daemonic, so a rank may start processes of its own (DataLoader workers).
+            # Nothing outlives the job anyway: every rank runs in its own process group,
+            # which kill_all SIGKILLs, and watches this process (it dies with the launcher).
+            daemon=False,
         )
         for r in range(world_size)
     ]
@@ -209,7 +213,7 @@ def spawn(
         with main_module_hidden():
             for proc in procs:
                 proc.start()
-        values = _collect(procs, results, timeout_s)
+        values = _collect(procs, reports, deadline, timeout_s)
         if rank_output == "show":
             for r in range(world_size):
                 for line in read_log(logs[r]).splitlines():
@@ -220,18 +224,29 @@ def spawn(
         raise
     finally:
         kill_all(procs)
-        results.close()
-        if log_dir is not None:
-            shutil.rmtree(log_dir, ignore_errors=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
         del store
 
 
-def _collect(procs: Sequence[Any], results: Any, timeout_s: float) -> list[Any]:
-    """Wait for every rank's result; on the first failure, find the root cause and raise."""
+def _unpickle(rank: int, what: str, data: bytes) -> Any:
+    try:
+        return pickle.loads(data)
+    except Exception as exc:
+        raise WorkerError(
+            rank,
+            f"rank {rank} sent back {what} that this process cannot unpickle ({exc!r}); "
+            "typically its class lives in a module the launcher cannot import. Return plain "
+            "data (tensors, numbers, strings, lists and dicts of them).",
+        ) from exc
+
+
+def _collect(
+    procs: Sequence[Any], reports: Sequence[str], deadline: float, timeout_s: float
+) -> list[Any]:
+    """Wait for every rank's report; on the first failure, find the root cause and raise."""
     world_size = len(procs)
     values: dict[int, Any] = {}
     failures: list[tuple[int, str, str, str, Any]] = []  # rank, type, msg, traceback, exc
-    deadline = time.monotonic() + timeout_s
     first_failure_at: float | None = None
     while len(values) + len(failures) < world_size:
         now = time.monotonic()
@@ -239,22 +254,27 @@ def _collect(procs: Sequence[Any], results: Any, timeout_s: float) -> list[Any]:
             break
         if now > deadline:
             raise WorkerTimeout([r for r in range(world_size) if r not in values], timeout_s)
-        try:
-            rank, status, payload = results.get(timeout=0.05)
-        except queue.Empty:
-            for rank, proc in enumerate(procs):
-                reported = rank in values or any(f[0] == rank for f in failures)
-                if not reported and proc.exitcode is not None and results.empty():
-                    failures.append((rank, "", _exit_reason(proc.exitcode), "", None))
-                    first_failure_at = first_failure_at or time.monotonic()
-            continue
-        if status == "ok":
-            values[rank] = pickle.loads(payload)
-        else:
-            name, message, text, exc_bytes = payload
-            exc = pickle.loads(exc_bytes) if exc_bytes else None
-            failures.append((rank, name, message, text, exc))
-            first_failure_at = first_failure_at or time.monotonic()
+        progressed = False
+        for rank, proc in enumerate(procs):
+            if rank in values or any(f[0] == rank for f in failures):
+                continue
+            exited = proc.exitcode is not None  # read before the report: no race
+            report = read_report(reports[rank])
+            if report is None and not exited:
+                continue
+            progressed = True
+            if report is None:  # died without reporting: a signal or os._exit
+                failures.append((rank, "", _exit_reason(proc.exitcode), "", None))
+            elif report[0] == "ok":
+                values[rank] = _unpickle(rank, "a return value", report[1])
+            else:
+                name, message, text, exc_bytes = report[1]
+                exc = _unpickle(rank, "an exception", exc_bytes) if exc_bytes else None
+                failures.append((rank, name, message, text, exc))
+            if failures and first_failure_at is None:
+                first_failure_at = time.monotonic()
+        if not progressed:
+            time.sleep(0.02)
     if failures:
         root = next((f for f in failures if not _is_collateral(f)), failures[0])
         rank, name, message, text, exc = root
