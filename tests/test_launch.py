@@ -282,3 +282,26 @@ def test_an_exception_the_launcher_cannot_import_is_still_a_worker_error() -> No
     with pytest.raises(WorkerError, match="cannot unpickle") as info:
         spawn(_workers.raise_exception_parent_cannot_import, 1, timeout_s=60)
     assert info.value.rank == 0
+
+
+# --- Issue 13: name the stuck rank -------------------------------------------------------
+
+
+def test_a_collective_timeout_names_the_rank_that_never_came_with_its_stack() -> None:
+    with pytest.raises(WorkerError) as info:
+        spawn(_workers.skip_collective_on, 2, 1, timeout_s=60, pg_timeout_s=2)
+    err = info.value
+    assert err.rank == 0  # the rank that timed out waiting
+    assert list(err.stacks) == [1] and "in skip_collective_on" in err.stacks[1]
+    assert "rank 1 (NOT in a collective)" in str(err)
+    assert "rank(s) 1 never reached the collective that rank(s) 0 waited in" in str(err)
+
+
+def test_a_job_timeout_reports_where_every_live_rank_was() -> None:
+    with pytest.raises(WorkerTimeout) as info:
+        spawn(_workers.skip_collective_on, 2, 1, timeout_s=8, pg_timeout_s=60)
+    err = info.value
+    assert sorted(err.stacks) == [0, 1]
+    assert "all_reduce" in err.stacks[0] and "time.sleep" not in err.stacks[0]
+    assert "rank 0 (waiting in a collective)" in str(err)
+    assert "rank(s) 1 never reached the collective that rank(s) 0 waited in" in str(err)

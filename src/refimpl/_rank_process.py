@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import importlib
 import os
 import pickle
@@ -142,6 +143,10 @@ def bootstrap(
     """
     os.setpgrp()  # own process group: the launcher kills the rank and its children at once
     die_with_launcher(launcher_pid)
+    # On SIGUSR1, write every thread's Python stack to a file the launcher reads before it
+    # kills a stuck job: the error then says where each rank was, not just that time ran out.
+    stack_file = open(stack_path(result_path), "w")  # noqa: SIM115 (lives as long as the rank)
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     if log_path is not None:
         # Ranks write to their own file, never to the notebook: N ranks printing at once
         # would interleave nondeterministically (ipykernel forwards fd 1 and 2 to the page).
@@ -201,6 +206,52 @@ def bootstrap(
                 stream.flush()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+def stack_path(result_path: str) -> str:
+    """Where a rank writes its stacks when the launcher asks (next to its report)."""
+    return result_path.removesuffix(".result") + ".stack"
+
+
+def collect_stacks(
+    procs: Sequence[Any], ranks: Sequence[int], reports: Sequence[str], wait_s: float = 1.0
+) -> dict[int, str]:
+    """Ask each of ``ranks`` (alive) for its Python stack; return rank -> the worker's frames.
+
+    faulthandler writes all threads, innermost frame first; only the thread that runs the
+    worker (the one whose stack holds `bootstrap`) is kept, from the innermost frame down to
+    the worker function.
+    """
+    asked = []
+    for rank in ranks:
+        with contextlib.suppress(ProcessLookupError, TypeError):
+            os.kill(procs[rank].pid, signal.SIGUSR1)
+            asked.append(rank)
+    deadline = time.monotonic() + wait_s
+    stacks: dict[int, str] = {}
+    while time.monotonic() < deadline and len(stacks) < len(asked):
+        for rank in asked:
+            with contextlib.suppress(OSError):
+                text = open(stack_path(reports[rank])).read()  # noqa: SIM115
+                block = _worker_thread(text)
+                if block:
+                    stacks[rank] = block
+        time.sleep(0.05)
+    return stacks
+
+
+def _worker_thread(dump: str) -> str:
+    for block in dump.split("\n\n"):
+        lines = [ln.strip() for ln in block.splitlines() if ln.strip().startswith("File ")]
+        if any(ln.endswith(" in bootstrap") for ln in lines):
+            frames = lines[: next(i for i, ln in enumerate(lines) if ln.endswith(" in bootstrap"))]
+            return "\n".join(frames)
+    return ""
+
+
+def in_collective(frames: str) -> bool:
+    """True when a rank's innermost frames are inside torch.distributed (waiting on peers)."""
+    return "torch/distributed/" in frames
 
 
 def _write_report(path: str, report: tuple[str, Any]) -> None:

@@ -30,6 +30,8 @@ from refimpl._rank_process import (
     TCPStore,
     as_child_sees_it,
     bootstrap,
+    collect_stacks,
+    in_collective,
     kill_all,
     main_module_hidden,
     read_log,
@@ -72,6 +74,7 @@ class WorkerError(RuntimeError):
         self.rank = rank
         self.remote_traceback = remote_traceback
         self.output = ""  # what the rank wrote to stdout/stderr (see `spawn`'s rank_output)
+        self.stacks: dict[int, str] = {}  # on a timeout: each live rank's innermost frames
 
 
 class WorkerTimeout(WorkerError, TimeoutError):
@@ -86,6 +89,26 @@ class WorkerTimeout(WorkerError, TimeoutError):
             "like this: check that all ranks call the same collectives in the same order.",
         )
         self.ranks = list(ranks)
+
+
+def _where(stacks: dict[int, str], timed_out: Sequence[int] = ()) -> str:
+    """Who was where: the ranks not inside a collective are named as the likely cause."""
+    if not stacks:
+        return ""
+    lines = ["", "", "Where each live rank was (innermost frame first):"]
+    for rank in sorted(stacks):
+        frames = stacks[rank].splitlines()
+        state = "waiting in a collective" if in_collective(stacks[rank]) else "NOT in a collective"
+        lines.append(f"--- rank {rank} ({state}) ---")
+        lines += [f"  {ln}" for ln in frames[:6]]
+    stuck = [r for r in sorted(stacks) if not in_collective(stacks[r])]
+    waiting = sorted({*timed_out, *(r for r in stacks if in_collective(stacks[r]))})
+    if stuck and waiting:
+        lines.append(
+            f"rank(s) {', '.join(map(str, stuck))} never reached the collective that rank(s) "
+            f"{', '.join(map(str, waiting))} waited in: look there first."
+        )
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -253,7 +276,11 @@ def _collect(
         if first_failure_at is not None and now > first_failure_at + _COLLATERAL_GRACE_S:
             break
         if now > deadline:
-            raise WorkerTimeout([r for r in range(world_size) if r not in values], timeout_s)
+            running = [r for r in range(world_size) if r not in values]
+            late = WorkerTimeout(running, timeout_s)
+            late.stacks = collect_stacks(procs, running, reports)
+            late.args = (str(late) + _where(late.stacks),)
+            raise late
         progressed = False
         for rank, proc in enumerate(procs):
             if rank in values or any(f[0] == rank for f in failures):
@@ -280,10 +307,20 @@ def _collect(
         rank, name, message, text, exc = root
         if not name:  # died without reporting: a signal or os._exit
             raise WorkerError(rank, f"rank {rank} {message}; every rank was killed")
+        stacks: dict[int, str] = {}
+        if "timed out" in message.lower() or "timeout" in message.lower():
+            # A collective timed out: the peers that never joined it are still running
+            # somewhere else. Ask them where, before everything is killed.
+            reported = set(values) | {f[0] for f in failures}
+            alive = [r for r, p in enumerate(procs) if r not in reported and p.exitcode is None]
+            stacks = collect_stacks(procs, alive, reports)
         err = WorkerError(
-            rank, f"rank {rank} raised {name}: {message}\n\n--- rank {rank} traceback ---\n{text}"
+            rank,
+            f"rank {rank} raised {name}: {message}\n\n--- rank {rank} traceback ---\n{text}"
+            + _where(stacks, timed_out=[rank] if stacks else []),
         )
         err.remote_traceback = text
+        err.stacks = stacks
         raise err from exc
     return [values[r] for r in range(world_size)]
 
