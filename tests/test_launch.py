@@ -11,7 +11,7 @@ import _workers
 import pytest
 import torch
 
-from refimpl.launch import NotSpawnableError, WorkerError, WorkerTimeout, init_from_env, spawn
+from refimpl.launch import NotSpawnableError, WorkerError, WorkerTimeout, spawn
 
 
 def _alive(pid: int) -> bool:
@@ -139,11 +139,27 @@ def test_bad_world_size_is_refused() -> None:
         spawn(_workers.rank_and_sum, 0)
 
 
-def test_init_from_env_without_torchrun_says_what_to_do(monkeypatch) -> None:
-    for key in ("RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(key, raising=False)
-    with pytest.raises(RuntimeError, match="torchrun"):
-        init_from_env()
+def test_init_from_env_without_torchrun_runs_as_a_world_of_one() -> None:
+    """``python train.py`` (no torchrun variables) just works, alone, and says so."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    code = (
+        "import logging; logging.basicConfig(level=logging.INFO)\n"
+        "import torch, torch.distributed as dist\n"
+        "from refimpl.launch import init_from_env\n"
+        "info = init_from_env()\n"
+        "t = torch.ones(1); dist.all_reduce(t)\n"
+        "print(info.rank, info.world_size, info.backend, info.device, t.item())\n"
+        "dist.destroy_process_group()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0 1 gloo cpu 1.0"
+    assert "world of one" in done.stderr and "torchrun --nproc-per-node" in done.stderr
 
 
 def test_init_from_env_inside_spawn_reports_position() -> None:

@@ -329,25 +329,43 @@ def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> RankI
     """Initialise the process group from torchrun's environment variables.
 
     Reads ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` (torchrun sets
-    them, and so does `spawn`), picks NCCL when a GPU is present and gloo otherwise, pins
-    the process to GPU ``LOCAL_RANK``, and returns a `RankInfo`. If the group is already
-    initialised (as inside `spawn`) it only reports where this process sits.
+    them, and so does `spawn`), picks NCCL when a GPU is present and gloo otherwise, and
+    returns a `RankInfo` whose ``device`` is `refimpl.device.rank_device`. On CUDA it pins
+    the process to GPU ``LOCAL_RANK`` and passes ``device_id`` to ``init_process_group``,
+    which makes NCCL create its communicator now rather than at the first collective (so a
+    wrong network interface fails here, not in the middle of the first step). Without
+    torchrun's variables (``python train.py``) it runs as a world of one on localhost and
+    logs that it did. If the group is already initialised (as inside `spawn`) it only reports
+    where this process sits.
     """
-    missing = [k for k in ("RANK", "WORLD_SIZE") if k not in os.environ]
-    if missing and not dist.is_initialized():
-        raise RuntimeError(
-            f"init_from_env: {', '.join(missing)} not set. Start this script with "
-            "`torchrun --nproc-per-node=N script.py`, or call it from refimpl.launch.spawn."
+    if not dist.is_initialized() and ("RANK" not in os.environ or "WORLD_SIZE" not in os.environ):
+        import logging
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(port))
+        logging.getLogger(__name__).info(
+            "init_from_env: no RANK/WORLD_SIZE (not started by torchrun): running as a world "
+            "of one. For N processes: torchrun --nproc-per-node=N script.py"
         )
+    from refimpl.device import backend_uses_cuda, rank_device
+
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = torch.cuda.is_available()
     if backend is None:
-        backend = "nccl" if use_cuda else "gloo"
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = rank_device(backend)
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        extra: dict[str, Any] = {}
+        if backend_uses_cuda(backend) and device.type == "cuda":
+            torch.cuda.set_device(device)
+            extra["device_id"] = device  # eager NCCL init: fail at start-up, not mid-step
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **extra)
+    elif device.type == "cuda":
+        torch.cuda.set_device(device)
     return RankInfo(
         rank=dist.get_rank(),
         local_rank=local_rank,
