@@ -6,7 +6,10 @@ One concept per module; each matches a chapter of the book:
 - `refimpl.collectives`: collectives shown by hand, including a ring all-reduce (chapter 1)
 - `refimpl.ddp`, `refimpl.buckets`: DDP rebuilt, bucket assignment as PyTorch does it (chapters 2-3)
 - `refimpl.sync`: barriers that survive a slow rank-0 save, main_process_first (chapter 4)
+- `refimpl.device`: which device a rank's tensors belong on, under gloo and NCCL alike
 - `refimpl.atomic`, `refimpl.checkpoint`: atomic, durable, verified saves; safe loading (chapter 5)
+- `refimpl.state`, `refimpl.data`: the whole training state, and a sampler that resumes
+  exactly at any world size (chapter 6)
 - `refimpl.bench`: ``python -m refimpl.bench {allreduce,ddp,save} --out DIR``
 
 `refimpl.demos` holds the book's demos (the workers a chapter's notebook spawns, the fault
