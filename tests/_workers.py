@@ -137,3 +137,11 @@ def raise_exception_parent_cannot_import() -> None:
     module.GhostError = exc_type  # type: ignore[attr-defined]
     sys.modules["only_in_the_rank"] = module
     raise exc_type("a class the launcher cannot import")
+
+
+def start_escaping_grandchild_then_fail(pid_dir: str) -> None:
+    """Start a process in a session of its own (it leaves the rank's process group)."""
+    child = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    Path(pid_dir, f"rank{dist.get_rank()}.pid").write_text(str(child.pid))
+    dist.barrier()
+    raise RuntimeError("fail after starting a new-session grandchild")

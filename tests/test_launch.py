@@ -321,3 +321,22 @@ def test_a_job_timeout_reports_where_every_live_rank_was() -> None:
     assert "all_reduce" in err.stacks[0] and "time.sleep" not in err.stacks[0]
     assert "rank 0 (waiting in a collective)" in str(err)
     assert "rank(s) 1 never reached the collective that rank(s) 0 waited in" in str(err)
+
+
+def test_a_grandchild_in_a_new_session_does_not_outlive_spawn(tmp_path: Path) -> None:
+    with pytest.raises(WorkerError):
+        spawn(_workers.start_escaping_grandchild_then_fail, 2, str(tmp_path), timeout_s=60)
+    pids = [int(p.read_text()) for p in sorted(tmp_path.glob("rank*.pid"))]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10
+    while any(_running(p) for p in pids):
+        assert time.monotonic() < deadline, f"new-session grandchildren alive: {pids}"
+        time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

@@ -288,8 +288,30 @@ def main_module_hidden() -> Iterator[None]:
         sys.modules["__main__"] = real_main
 
 
-def kill_all(procs: Sequence[Any]) -> None:
-    """SIGKILL every rank's process group (the rank and whatever it started), then reap."""
+JOB_MARKER = "REFIMPL_JOB"
+"""Environment variable every rank (and, by inheritance, everything it starts) carries."""
+
+
+def _marked(job: str) -> list[int]:
+    """Pids of this user's processes whose environment carries ``REFIMPL_JOB=job``."""
+    needle = f"{JOB_MARKER}={job}".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            with contextlib.suppress(OSError), open(f"/proc/{entry.name}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    found.append(int(entry.name))
+    return found
+
+
+def kill_all(procs: Sequence[Any], job: str | None = None) -> None:
+    """SIGKILL every rank's process group (the rank and whatever it started), then reap.
+
+    A process a rank started in a session of its own (``start_new_session=True``, a daemon)
+    has left the rank's process group; it still carries the job's environment marker, so on
+    Linux it is found through /proc and killed too. (A process that clears its environment
+    escapes this; nothing short of a cgroup catches that.)
+    """
     for proc in procs:
         if proc.pid is None:
             continue
@@ -297,6 +319,10 @@ def kill_all(procs: Sequence[Any]) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(proc.pid, signal.SIGKILL)
+    if job is not None and os.path.isdir("/proc"):
+        for pid in _marked(job):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
     for proc in procs:
         if proc.pid is not None:
             proc.join(timeout=10)

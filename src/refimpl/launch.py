@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from refimpl._rank_process import (
+    JOB_MARKER,
     TCPStore,
     as_child_sees_it,
     bootstrap,
@@ -207,7 +208,8 @@ def spawn(
     ]
     reports = [os.path.join(run_dir, f"rank{r}.result") for r in range(world_size)]
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = dict(os.environ)
+    job = f"{os.getpid()}-{os.urandom(6).hex()}"
+    env = {**os.environ, JOB_MARKER: job}  # inherited by everything a rank starts
     procs = [
         ctx.Process(
             target=bootstrap,
@@ -246,7 +248,7 @@ def spawn(
         err.output = read_log(logs[err.rank])
         raise
     finally:
-        kill_all(procs)
+        kill_all(procs, job)
         shutil.rmtree(run_dir, ignore_errors=True)
         del store
 

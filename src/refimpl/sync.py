@@ -84,6 +84,13 @@ def main_process_first(*, timeout_s: float | None = None) -> Iterator[bool]:
     the block, so whatever rank 0 wrote there exists when they run it. If rank 0 raises,
     they raise `MainProcessFailed` at once instead of hanging until a timeout.
 
+    Never call a collective (``all_reduce``, ``barrier``, ``broadcast``, a DDP forward) inside
+    the block. Rank 0 runs the block alone while every other rank waits at the entrance; a
+    collective in rank 0's block waits for ranks that cannot come, so the job deadlocks until
+    the group timeout, and the timeout error then appears on an innocent rank. The block is
+    for rank-0-only work on files: preparing a cache, downloading weights, writing a
+    vocabulary.
+
     Example::
 
         with main_process_first() as is_main:
