@@ -145,3 +145,7 @@ def start_escaping_grandchild_then_fail(pid_dir: str) -> None:
     Path(pid_dir, f"rank{dist.get_rank()}.pid").write_text(str(child.pid))
     dist.barrier()
     raise RuntimeError("fail after starting a new-session grandchild")
+
+
+def scaled_rank(scale: int, *, offset: int = 0) -> int:
+    return dist.get_rank() * scale + offset

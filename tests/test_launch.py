@@ -340,3 +340,12 @@ def _running(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_partial_and_keyword_arguments_reach_the_worker() -> None:
+    import functools
+
+    assert spawn(_workers.scaled_rank, 2, 10, kwargs={"offset": 1}) == [1, 11]
+    assert spawn(functools.partial(_workers.scaled_rank, 5, offset=2), 2) == [2, 7]
+    with pytest.raises(NotSpawnableError, match=r"defined in __main__|lambda"):
+        spawn(functools.partial(lambda x: x, 1), 1)

@@ -13,6 +13,7 @@ function runs on a laptop under `spawn` and on a cluster under `torchrun`.
 from __future__ import annotations
 
 import datetime
+import functools
 import multiprocessing as mp
 import os
 import pickle
@@ -125,7 +126,22 @@ class RankInfo:
 
 
 def _importable(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` as a child process will find it; refused before any process starts if none."""
+    """``fn`` as a child process will find it; refused before any process starts if none.
+
+    A ``functools.partial`` travels by value: its function must be importable, and its bound
+    arguments must pickle.
+    """
+    if isinstance(fn, functools.partial):
+        inner = _importable(fn.func)
+        bound = functools.partial(inner, *fn.args, **fn.keywords)
+        try:
+            pickle.dumps(bound)
+        except Exception as exc:
+            raise NotSpawnableError(
+                f"cannot spawn functools.partial({inner.__qualname__}, ...): its bound "
+                f"arguments cannot be pickled ({exc}). Pass plain data."
+            ) from exc
+        return bound
     found, why = as_child_sees_it(fn)
     if why is not None:
         qualname = getattr(fn, "__qualname__", repr(fn))
@@ -167,6 +183,7 @@ def spawn(
     pg_timeout_s: float | None = None,
     start_method: str = "forkserver",
     rank_output: str = "hide",
+    kwargs: dict[str, Any] | None = None,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` ranks and return their results in rank order.
 
@@ -177,6 +194,10 @@ def spawn(
     every rank is killed and `WorkerError` is raised naming the rank that caused it; if the
     job runs past ``timeout_s`` seconds, `WorkerTimeout` is raised. Collectives inside the
     group time out after ``pg_timeout_s`` (default: the smaller of 30 s and ``timeout_s``).
+
+    Keyword arguments for ``fn`` go in ``kwargs={...}`` (``spawn``'s own keywords stay
+    apart), or bind them with ``functools.partial(fn, ...)``, which is accepted when the
+    function it wraps is importable.
 
     What ranks print goes, by ``rank_output``: ``"hide"`` (default) to a file per rank, kept
     on the error's ``output`` attribute if that rank fails; ``"show"`` the same, then printed
@@ -191,7 +212,7 @@ def spawn(
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     deadline = time.monotonic() + timeout_s  # start-up counts: the limit is wall-clock
-    fn = _importable(fn)
+    fn = _importable(fn if not kwargs else functools.partial(fn, **kwargs))
     if pg_timeout_s is None:
         pg_timeout_s = min(DEFAULT_PG_TIMEOUT_S, timeout_s)
     ctx: Any = mp.get_context(start_method)
