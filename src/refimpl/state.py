@@ -53,8 +53,15 @@ def capture_rng() -> dict[str, Any]:
     Example: ``s = capture_rng(); a = torch.rand(1); restore_rng(s); torch.rand(1) == a``.
     """
     name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
-        "python": random.getstate(),  # (version, tuple of 625 ints, None): plain containers
+        # Python's Mersenne Twister: 624 words + position. Kept as a tensor, not a tuple of ints:
+        # pickle sizes an int by its value, so a tuple would make every checkpoint a different size.
+        "python": {
+            "version": int(version),
+            "internal": torch.tensor(internal, dtype=torch.int64),
+            "gauss": gauss,
+        },
         "numpy": {
             "name": str(name),
             "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
@@ -71,8 +78,12 @@ def capture_rng() -> dict[str, Any]:
 
 def restore_rng(state: Mapping[str, Any]) -> None:
     """Put back what `capture_rng` captured (after a weights-only load)."""
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
+    py = state["python"]
+    if isinstance(py, Mapping):
+        random.setstate((py["version"], tuple(py["internal"].tolist()), py["gauss"]))
+    else:  # refimpl 0.1.0 checkpoints stored getstate()'s tuple as is
+        version, internal, gauss = py
+        random.setstate((version, tuple(internal), gauss))
     n = state["numpy"]
     keys = n["keys"].numpy().astype(np.uint32)
     np.random.set_state((n["name"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
