@@ -157,9 +157,12 @@ def _is_collateral(failure: tuple[int, str, str, str, Any]) -> bool:
     """A distributed error on a rank whose peer already died is a symptom, not the cause.
 
     Workers often wrap the backend's error in their own (``raise RuntimeError(...) from
-    exc``), so the whole ``__cause__`` / ``__context__`` chain is checked.
+    exc``), so the whole ``__cause__`` / ``__context__`` chain is checked, and the rank's
+    formatted traceback, which still shows that chain after pickling has dropped it.
     """
-    exc, message = failure[4], failure[2]
+    exc, message, text = failure[4], failure[2], failure[3]
+    if any(s in text for s in _PEER_GONE):
+        return True
     seen = 0
     while exc is not None and seen < 20:
         if isinstance(exc, dist.DistError) or any(s in str(exc) for s in _PEER_GONE):
