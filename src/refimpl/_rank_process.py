@@ -170,6 +170,9 @@ def bootstrap(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(store_port),
     )
+    # torch reads TORCH_DISTRIBUTED_DEBUG when it is imported, which for a forked rank was in
+    # the fork server, with the environment of the first spawn; read it again from this job's.
+    dist.set_debug_level_from_env()  # type: ignore[attr-defined]
     torch.set_num_threads(1)  # N ranks share a few cores; oversubscription distorts timings
     try:
         startup = datetime.timedelta(seconds=max(pg_timeout_s, STARTUP_TIMEOUT_S))

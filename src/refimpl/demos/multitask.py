@@ -1,0 +1,190 @@
+"""Chapter 7's demos: a multi-dataset, multi-task loop that hangs, its quiet twin, and the fix.
+
+Three small synthetic datasets carry different tasks (``seg`` has an extra one, as real
+multi-task corpora do). Each step a rank draws one dataset, computes a (sum, count) per task
+of that dataset and all-reduces it, one collective per task metric, the way a per-metric
+``update()`` followed by a sync does. Every worker catches what goes wrong and returns it with
+its call log, so the chapter can show each rank's view; a short process-group timeout ends
+every hang in seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import random
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from refimpl.guard import CollectiveGuard, CollectiveMismatch
+from refimpl.metrics import sync_metrics
+from refimpl.mixture import MixtureSampler
+
+TASKS: dict[str, tuple[str, ...]] = {
+    "cls": ("loss", "acc"),
+    "det": ("loss", "map"),
+    "seg": ("loss", "iou", "boundary"),  # one task more than the others
+}
+SIZES = {"cls": 96, "det": 64, "seg": 48}
+BATCH = 4
+
+
+def metric_value(dataset: str, task: str, index: int) -> float:
+    """The synthetic per-sample metric: fixed by (dataset, task, sample), known to every rank."""
+    d = sorted(TASKS).index(dataset)
+    t = TASKS[dataset].index(task)
+    return ((index * 7919 + d * 104729 + t * 1299709) % 1000) / 1000
+
+
+def _naive_choice(rank: int, seed: int) -> random.Random:
+    # The bug: each rank's dataset choice comes from an RNG seeded per rank (or not at all).
+    return random.Random(seed * 100 + rank)
+
+
+def _one_step(dataset: str, indices: list[int]) -> list[tuple[str, float, int]]:
+    return [
+        (f"{dataset}/{task}", sum(metric_value(dataset, task, i) for i in indices), len(indices))
+        for task in TASKS[dataset]
+    ]
+
+
+def multitask_loop(
+    steps: int,
+    *,
+    datasets: tuple[str, ...] = ("cls", "det", "seg"),
+    fixed: bool = False,
+    guard: bool = False,
+    barrier_at_end: str = "barrier",
+    seed: int = 3,
+) -> dict[str, Any]:
+    """Worker: ``steps`` training steps; returns this rank's call log, synced values, error.
+
+    ``fixed=False`` draws each rank's dataset from its own RNG (the bug); ``fixed=True`` uses
+    `MixtureSampler` (same dataset on every rank). ``guard=True`` routes every all-reduce through
+    `CollectiveGuard`. After the loop every rank waits at ``barrier_at_end`` (``"barrier"``,
+    ``"monitored"`` for ``dist.monitored_barrier``, or ``"none"``).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sizes = {name: SIZES[name] for name in datasets}
+    g = CollectiveGuard(timeout_s=3.0) if guard else None
+    rng = _naive_choice(rank, seed)
+    sampler = MixtureSampler(sizes, batch_size=BATCH, rank=rank, world_size=world, seed=seed)
+    draws = iter(sampler)
+    calls: list[dict[str, Any]] = []
+    synced: dict[str, list[float]] = {}
+    error = None
+    start = time.monotonic()
+    try:
+        for step in range(steps):
+            if fixed:
+                dataset, indices = next(draws)
+            else:
+                dataset = rng.choice(sorted(sizes))
+                first = (step * world + rank) * BATCH % sizes[dataset]
+                indices = [(first + k) % sizes[dataset] for k in range(BATCH)]
+            for name, total, count in _one_step(dataset, indices):
+                calls.append({"step": step, "name": name, "sum": total, "count": count})
+                t = torch.tensor([total, float(count)], dtype=torch.float64)
+                if g is not None:
+                    g.all_reduce(t, name=name)
+                else:
+                    dist.all_reduce(t)
+                acc = synced.setdefault(name, [0.0, 0.0])
+                acc[0] += t[0].item()
+                acc[1] += t[1].item()
+        if barrier_at_end == "barrier":
+            dist.barrier()
+        elif barrier_at_end == "monitored":
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=3))
+    except CollectiveMismatch as exc:
+        error = f"CollectiveMismatch: {exc}"
+    except RuntimeError as exc:
+        error = f"{type(exc).__name__}: {_first_line(exc)}"
+    return {
+        "rank": rank,
+        "calls": calls,
+        "synced": synced,
+        "error": error,
+        "seconds": round(time.monotonic() - start, 1),
+    }
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+    return text.split("] ", 1)[-1] if text.startswith("[") else text
+
+
+def true_means(results: list[dict[str, Any]]) -> dict[str, float]:
+    """What each metric's global mean should be, from every rank's own contributions."""
+    totals: dict[str, list[float]] = {}
+    for res in results:
+        for call in res["calls"]:
+            acc = totals.setdefault(call["name"], [0.0, 0.0])
+            acc[0] += call["sum"]
+            acc[1] += call["count"]
+    return {name: s / c for name, (s, c) in sorted(totals.items())}
+
+
+def epoch_metrics(steps: int, *, fixed: bool, seed: int = 3) -> dict[str, Any]:
+    """Worker: accumulate metrics locally for ``steps`` steps, then one `sync_metrics` call.
+
+    With per-rank dataset choice (``fixed=False``) ranks hold different key sets; the sync
+    still agrees. Returns the local contributions and the synced totals."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rng = _naive_choice(rank, seed)
+    sampler = iter(MixtureSampler(SIZES, batch_size=BATCH, rank=rank, world_size=world, seed=seed))
+    local: dict[str, tuple[float, int]] = {}
+    calls = []
+    for step in range(steps):
+        if fixed:
+            dataset, indices = next(sampler)
+        else:
+            dataset = rng.choice(sorted(SIZES))
+            first = (step * world + rank) * BATCH % SIZES[dataset]
+            indices = [(first + k) % SIZES[dataset] for k in range(BATCH)]
+        for name, total, count in _one_step(dataset, indices):
+            s, c = local.get(name, (0.0, 0))
+            local[name] = (s + total, c + count)
+            calls.append({"step": step, "name": name, "sum": total, "count": count})
+    totals = sync_metrics(local)
+    return {
+        "rank": rank,
+        "keys": sorted(local),
+        "calls": calls,
+        "totals": {k: (v.sum, v.count) for k, v in totals.items()},
+    }
+
+
+def gather_object_meets_all_gather() -> str:
+    """Worker: rank 0 calls ``all_gather_object``; the others, one step behind, an all_gather of
+    a float64 metric. Returns what each rank got (rank 0: the allocation error)."""
+    try:
+        if dist.get_rank() == 0:
+            out: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(out, {"acc": 0.5})
+            return f"rank 0 got {out}"
+        parts = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, torch.tensor([1e30], dtype=torch.float64))
+        return f"rank {dist.get_rank()} got {[p.item() for p in parts]}"
+    except RuntimeError as exc:
+        return f"rank {dist.get_rank()}: RuntimeError: {_first_line(exc)}"
+
+
+@contextlib.contextmanager
+def environment(**variables: str) -> Iterator[None]:
+    """Set environment variables for the ranks `spawn` starts inside the block (restored after)."""
+    saved = {k: os.environ.get(k) for k in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

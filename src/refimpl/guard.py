@@ -1,0 +1,263 @@
+"""Chapter 7: collectives that check every rank is making the same call, before making it.
+
+A collective only pairs the ranks' *n*-th calls with each other; nothing checks that those
+calls mean the same thing. When ranks disagree (rank 0 reduces ``"seg/loss"`` while rank 1
+reduces ``"cls/acc"``) the job either hangs (the calls differ in kind or count) or, when the
+tensors happen to match in shape and dtype, returns wrong numbers with no error at all.
+``TORCH_DISTRIBUTED_DEBUG=DETAIL`` catches the first kind (it compares op, shape and dtype)
+but not the second: it has no idea what a tensor *means*.
+
+`CollectiveGuard` gives every collective a ``name``. Before each call the ranks all-gather a
+small fixed-size fingerprint (sequence number, op, name, shape, dtype) with one all-reduce
+(MAX of the fingerprint and of its negation: equal everywhere iff max == min); if they differ, every
+rank raises `CollectiveMismatch` naming what each rank was calling, so the job stops at the
+first divergent call instead of hanging or averaging the wrong metric. If the fingerprint
+exchange itself times out (a rank skipped the call, or is stuck elsewhere), the error names
+each rank's last guarded call, which each rank leaves in the process group's store.
+
+Example::
+
+    guard = CollectiveGuard()
+    guard.all_reduce(loss_sum, name="train/seg/loss")
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import hashlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CollectiveGuard", "CollectiveMismatch", "GuardedCall"]
+
+FINGERPRINT_LEN = 32
+"""int64 slots per fingerprint: 16 of header and shape, 16 holding up to 112 bytes of name
+(a longer name is told apart by its hash, and shown cut to 112 bytes)."""
+MAX_DIMS = 8
+NAME_BYTES = 112
+_MAGIC = 0x7E57_6A4D  # a fingerprint whose slot 0 is not this was not written by a guard
+_OPS = ("all_reduce", "broadcast", "all_gather", "barrier", "reduce_scatter")
+_DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class GuardedCall:
+    """What one rank was about to call: decoded from its fingerprint."""
+
+    rank: int
+    seq: int
+    op: str
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    detail: str = ""
+
+    def __str__(self) -> str:
+        extra = f" {self.detail}" if self.detail else ""
+        shape = "x".join(map(str, self.shape)) or "scalar"
+        call = f"{self.op}{extra} {self.name!r} {self.dtype}[{shape}]"
+        return f"rank {self.rank}: call #{self.seq} {call}"
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks disagreed on a guarded collective, or one never reached it.
+
+    ``calls`` holds each rank's `GuardedCall` (for a timeout: the last call each rank recorded,
+    ``None`` where a rank recorded none); ``str(err)`` is a table of them."""
+
+    def __init__(self, message: str, calls: Sequence[GuardedCall | None]) -> None:
+        super().__init__(message)
+        self.calls = list(calls)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # survive pickling back to the launcher
+        return (type(self), (str(self), self.calls))
+
+
+def _name_hash(name: str) -> int:
+    # 62 bits, so that negating it (see `CollectiveGuard.check`) cannot overflow int64
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") >> 2
+
+
+@functools.lru_cache(maxsize=4096)
+def _name_slots(name: str) -> tuple[int, ...]:
+    """The name's hash, byte length and first 128 bytes as 16 int64: cached per name."""
+    raw = name.encode()
+    padded = raw[:NAME_BYTES].ljust(NAME_BYTES, b"\0")
+    # 7 bytes per slot: a slot stays below 2**56, so its negation fits in int64 too
+    chunks = [int.from_bytes(padded[i : i + 7], "little") for i in range(0, NAME_BYTES, 7)]
+    return (_name_hash(name), min(len(raw), NAME_BYTES), *chunks)
+
+
+def _fingerprint(
+    seq: int, op: str, name: str, tensor: torch.Tensor | None, detail: int
+) -> list[int]:
+    name_hash, length, *chunks = _name_slots(name)
+    shape = [-1] * MAX_DIMS
+    if tensor is None:
+        dtype, ndim = -1, 0
+    else:
+        if tensor.dim() > MAX_DIMS:
+            raise ValueError(
+                f"CollectiveGuard: {name!r} has {tensor.dim()} dims; at most {MAX_DIMS}"
+            )
+        dtype = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
+        ndim = tensor.dim()
+        shape[:ndim] = tensor.shape
+    return [_MAGIC, seq, _OPS.index(op), name_hash, detail, length, dtype, ndim, *shape, *chunks]
+
+
+def _decode(rank: int, v: list[int]) -> GuardedCall:
+    if v[0] != _MAGIC or not 0 <= v[2] < len(_OPS):
+        return GuardedCall(rank, -1, "?", "<not a guard fingerprint>", "?", ())
+    raw = b"".join(x.to_bytes(7, "little") for x in v[16:])
+    name = raw[: v[5]].decode(errors="replace")
+    dtype = (
+        "none"
+        if v[6] < 0
+        else str(_DTYPES[v[6]]).replace("torch.", "")
+        if v[6] < len(_DTYPES)
+        else "other"
+    )
+    op = _OPS[v[2]]
+    detail = "" if op in ("barrier", "all_gather") else f"({_detail_name(op, v[4])})"
+    return GuardedCall(rank, v[1], op, name, dtype, tuple(v[8 : 8 + v[7]]), detail)
+
+
+def _detail_name(op: str, code: int) -> str:
+    if op == "broadcast":
+        return f"src={code}"
+    return {0: "SUM", 1: "AVG", 2: "PRODUCT", 3: "MIN", 4: "MAX"}.get(code, f"op{code}")
+
+
+def _reduce_code(op: Any) -> int:
+    text = str(op).rsplit(".", 1)[-1].upper()
+    return {"SUM": 0, "AVG": 1, "PRODUCT": 2, "MIN": 3, "MAX": 4}.get(text, 9)
+
+
+class CollectiveGuard:
+    """Named collectives that raise `CollectiveMismatch` on every rank when ranks disagree.
+
+    ``group``: the process group the collectives run in (default: WORLD). The fingerprints
+    travel in a gloo group of their own, with timeout ``timeout_s`` (default 60 s): host-side
+    even when the training collectives are NCCL, and with a limit chosen for a check, not for
+    the slowest collective. Creating it is a collective: build the guard on every rank at
+    start-up. ``enabled=False`` (or ``REFIMPL_GUARD=0`` in the environment) makes every method
+    a plain collective: the off switch for a run that has been checked.
+
+    Every rank must route the same collectives through the guard; a collective made outside
+    it is invisible to it and shows up as the *next* guarded call timing out.
+    """
+
+    _created = 0
+
+    def __init__(self, group: Any = None, *, enabled: bool = True, timeout_s: float = 60.0) -> None:
+        self.enabled = enabled and os.environ.get("REFIMPL_GUARD", "1") != "0"
+        self.group = group
+        self.timeout_s = timeout_s
+        self.seq = 0
+        self._check_group: Any = None
+        self._store: Any = None
+        # Guards are created in the same order on every rank (creation is collective), so a
+        # per-process count names the same guard everywhere: the store key for last calls.
+        CollectiveGuard._created += 1
+        self._key = f"refimpl_guard/{CollectiveGuard._created}"
+        if self.enabled and dist.is_initialized():
+            ranks = None if group is None else dist.get_process_group_ranks(group)
+            self._check_group = dist.new_group(
+                ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)
+            )
+            try:  # the store is where a rank leaves its last call for a timeout report
+                self._store = dist.distributed_c10d._get_default_store()
+            except Exception:  # pragma: no cover - no default store (custom init)
+                self._store = None
+
+    def check(
+        self, op: str, name: str, tensor: torch.Tensor | None = None, detail: int = 0
+    ) -> None:
+        """Compare this call with every rank's; raise `CollectiveMismatch` if they differ."""
+        if not self.enabled or not dist.is_initialized():
+            return
+        group = self._check_group
+        world = dist.get_world_size(group)
+        me = dist.get_rank(group)
+        fp = _fingerprint(self.seq, op, name, tensor, detail)
+        self.seq += 1
+        if self._store is not None:  # ~10 µs: what a timeout report shows for this rank
+            self._store.set(f"{self._key}/{me}", str(_decode(me, fp)))
+        # One all-reduce (MAX) of [fp, -fp] gives max and -min of every slot: all ranks agree
+        # exactly when max == min. Only a disagreement pays for gathering every fingerprint.
+        both = torch.tensor(fp + [-x for x in fp], dtype=torch.int64)
+        try:
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+            if torch.equal(both[:FINGERPRINT_LEN], -both[FINGERPRINT_LEN:]):
+                return
+            gathered = [torch.empty(FINGERPRINT_LEN, dtype=torch.int64) for _ in range(world)]
+            dist.all_gather(gathered, torch.tensor(fp, dtype=torch.int64), group=group)
+        except RuntimeError as exc:
+            raise self._timeout_error(me, world, _decode(me, fp), exc) from exc
+        calls = [_decode(r, g.tolist()) for r, g in enumerate(gathered)]
+        table = "\n".join(f"  {c}" for c in calls)
+        raise CollectiveMismatch(
+            f"ranks disagree on collective #{calls[me].seq} (this is rank {me}):\n{table}\n"
+            "Every rank must make the same collectives in the same order; look for a branch "
+            "that depends on the rank's data (which dataset, task or split it drew).",
+            calls,
+        )
+
+    def _timeout_error(
+        self, me: int, world: int, mine: GuardedCall, exc: Exception
+    ) -> CollectiveMismatch:
+        last: list[GuardedCall | None] = [None] * world
+        last[me] = mine
+        lines = []
+        for r in range(world):
+            text = "unknown (no store)"
+            if self._store is not None:
+                key = f"{self._key}/{r}"
+                try:
+                    if self._store.check([key]):
+                        text = self._store.get(key).decode()
+                    else:
+                        text = "no guarded call yet"
+                except Exception as err:  # the store may be gone with the rank that held it
+                    text = f"unknown ({type(err).__name__})"
+            lines.append(
+                f"  rank {r} last recorded: {text}" if r != me else f"  {mine}  <- waiting"
+            )
+        return CollectiveMismatch(
+            f"rank {me} waited {self.timeout_s:g} s at {mine.op} {mine.name!r} (call #{mine.seq}) "
+            f"and not every rank arrived ({type(exc).__name__}). A rank that made fewer "
+            "guarded calls, an unguarded collective, or a stuck rank does this:\n"
+            + "\n".join(lines),
+            last,
+        )
+
+    def all_reduce(self, tensor: torch.Tensor, *, name: str, op: Any = dist.ReduceOp.SUM) -> None:
+        """``dist.all_reduce(tensor, op)`` in ``group``, after checking every rank agrees."""
+        self.check("all_reduce", name, tensor, _reduce_code(op))
+        dist.all_reduce(tensor, op=op, group=self.group)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, name: str) -> None:
+        """``dist.broadcast(tensor, src)`` in ``group``, after checking every rank agrees."""
+        self.check("broadcast", name, tensor, src)
+        dist.broadcast(tensor, src=src, group=self.group)
+
+    def all_gather(self, tensors: list[torch.Tensor], tensor: torch.Tensor, *, name: str) -> None:
+        """``dist.all_gather(tensors, tensor)`` in ``group``, after checking every rank agrees."""
+        self.check("all_gather", name, tensor)
+        dist.all_gather(tensors, tensor, group=self.group)
+
+    def barrier(self, *, name: str) -> None:
+        """A barrier that also checks every rank is at the same named point."""
+        self.check("barrier", name)
+        if not self.enabled:
+            dist.barrier(group=self.group)

@@ -1,0 +1,124 @@
+"""Test-only workers for tests/test_guard.py and tests/test_metrics.py (importable by name)."""
+
+from __future__ import annotations
+
+import random
+import zlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from refimpl.guard import CollectiveGuard, CollectiveMismatch
+from refimpl.metrics import MAX_KEY_BYTES, sync_metrics
+
+
+def guarded_calls(plan: list[list[tuple[str, str, list[int], str]]]) -> dict[str, Any]:
+    """Rank r makes the calls ``plan[r]`` = [(op, name, shape, dtype)] through one guard.
+    Returns how many it completed and the mismatch (its calls, as strings) if one was raised."""
+    rank = dist.get_rank()
+    guard = CollectiveGuard(timeout_s=3.0)
+    done = 0
+    try:
+        for op, name, shape, dtype in plan[rank]:
+            t = torch.ones(shape, dtype=getattr(torch, dtype))
+            if op == "all_reduce":
+                guard.all_reduce(t, name=name)
+            elif op == "all_reduce_max":
+                guard.all_reduce(t, name=name, op=dist.ReduceOp.MAX)
+            elif op == "broadcast":
+                guard.broadcast(t, 0, name=name)
+            elif op == "all_gather":
+                guard.all_gather(
+                    [torch.empty_like(t) for _ in range(dist.get_world_size())], t, name=name
+                )
+            elif op == "barrier":
+                guard.barrier(name=name)
+            done += 1
+    except CollectiveMismatch as exc:
+        return {
+            "done": done,
+            "error": str(exc),
+            "calls": [str(c) if c else None for c in exc.calls],
+        }
+    return {"done": done, "error": None, "calls": []}
+
+
+def guard_switched_off_pairs_silently() -> float:
+    """With the guard off, ranks reducing differently named metrics get a (wrong) sum."""
+    guard = CollectiveGuard(enabled=False)
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    guard.all_reduce(t, name=f"metric_of_rank_{dist.get_rank()}")
+    return t.item()
+
+
+def sync_these(per_rank: list[dict[str, tuple[float, int]]]) -> dict[str, tuple[float, int]]:
+    out = sync_metrics(per_rank[dist.get_rank()])
+    return {k: (v.sum, v.count) for k, v in out.items()}
+
+
+_KEYS = st.text(alphabet="abcdefghij/_", min_size=1, max_size=12)
+_VALUE = st.tuples(st.integers(-1000, 1000).map(lambda v: v / 8), st.integers(0, 50))
+
+
+def sync_metrics_property(world: int, examples: int) -> int:
+    """Hypothesis runs the same examples in the same order on every rank (derandomized);
+    each example gives every rank its own random key set, possibly empty. Checks every rank
+    gets exactly the expected union and totals, and that ranks stayed in lockstep."""
+    rank = dist.get_rank()
+    seen = [0]
+
+    @settings(max_examples=examples, derandomize=True, deadline=None, database=None)
+    @given(st.lists(st.dictionaries(_KEYS, _VALUE, max_size=6), min_size=world, max_size=world))
+    def check(per_rank: list[dict[str, tuple[float, int]]]) -> None:
+        # every rank must be looking at the same example, or the test itself is broken
+        digest = torch.tensor([zlib.crc32(repr(per_rank).encode())], dtype=torch.int64)
+        low, high = digest.clone(), digest.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        assert low.item() == high.item(), "ranks drew different examples"
+        got = sync_metrics(per_rank[rank])
+        expected: dict[str, list[float]] = {}
+        for local in per_rank:
+            for k, (s, c) in local.items():
+                acc = expected.setdefault(k, [0.0, 0])
+                acc[0] += s
+                acc[1] += c
+        assert list(got) == sorted(expected)
+        for k, (s, c) in expected.items():
+            assert got[k].sum == s and got[k].count == c, (k, got[k], s, c)
+        seen[0] += 1
+
+    check()
+    return seen[0]
+
+
+def too_long_name_on(bad_rank: int) -> str:
+    local = {"ok": (1.0, 1)}
+    if dist.get_rank() == bad_rank:
+        local["x" * (MAX_KEY_BYTES + 1)] = (1.0, 1)
+    try:
+        sync_metrics(local)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def random_keys(seed: int) -> dict[str, tuple[float, int]]:
+    rng = random.Random(seed * 10 + dist.get_rank())
+    local = {
+        f"k{rng.randrange(20)}": (float(rng.randrange(100)), rng.randrange(1, 5))
+        for _ in range(rng.randrange(0, 6))
+    }
+    got = sync_metrics(local)
+    return {k: (v.sum, v.count) for k, v in got.items()}
+
+
+def sync_on_all_but_last() -> str:
+    if dist.get_rank() == dist.get_world_size() - 1:
+        dist.barrier()  # the last rank is somewhere else entirely
+        return "left"
+    sync_metrics({"a": (1.0, 1)})
+    return "synced"

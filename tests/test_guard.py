@@ -1,0 +1,109 @@
+"""refimpl.guard: every disagreement between ranks raises CollectiveMismatch on every rank,
+naming each rank's call, including the same-shape case PyTorch's DETAIL mode lets through."""
+
+from __future__ import annotations
+
+import _guard_workers
+import pytest
+import torch
+
+from refimpl.demos import multitask as mt
+from refimpl.guard import FINGERPRINT_LEN, CollectiveGuard, _decode, _fingerprint
+from refimpl.launch import spawn
+
+AR = "all_reduce"
+
+
+def _run(plan: list, world: int = 2) -> list[dict]:  # type: ignore[type-arg]
+    return spawn(_guard_workers.guarded_calls, world, plan, timeout_s=40, pg_timeout_s=10)
+
+
+def test_matching_calls_pass_and_are_counted() -> None:
+    calls = [
+        (AR, "a", [2], "float32"),
+        ("broadcast", "b", [3], "int64"),
+        ("barrier", "c", [], "float32"),
+        ("all_gather", "d", [1], "float64"),
+    ]
+    for res in _run([calls, calls, calls], world=3):
+        assert res == {"done": 4, "error": None, "calls": []}
+
+
+@pytest.mark.parametrize(
+    ("mine", "theirs", "shown"),
+    [
+        (
+            (AR, "val/acc", [2], "float64"),
+            (AR, "val/loss", [2], "float64"),
+            "'val/loss'",
+        ),  # DETAIL misses
+        ((AR, "m", [2], "float64"), (AR, "m", [3], "float64"), "float64[3]"),
+        ((AR, "m", [2], "float64"), (AR, "m", [2], "float32"), "float32[2]"),
+        ((AR, "m", [2], "float64"), ("broadcast", "m", [2], "float64"), "broadcast (src=0)"),
+        ((AR, "m", [2], "float64"), ("all_reduce_max", "m", [2], "float64"), "(MAX)"),
+        ((AR, "m", [2], "float64"), ("barrier", "m", [], "float64"), "barrier"),
+    ],
+)
+def test_each_kind_of_disagreement_is_caught_on_every_rank(
+    mine: tuple, theirs: tuple, shown: str
+) -> None:  # type: ignore[type-arg]
+    ok = (AR, "first", [1], "float32")
+    results = _run([[ok, mine], [ok, theirs]])
+    for rank, res in enumerate(results):
+        assert res["done"] == 1, res  # the first call agreed; the second was stopped before it ran
+        assert f"(this is rank {rank})" in res["error"]
+        assert res["calls"][0].startswith("rank 0: call #1") and res["calls"][1].startswith(
+            "rank 1: call #1"
+        )
+        assert shown in res["calls"][1] and shown not in res["calls"][0]
+
+
+def test_a_rank_with_fewer_calls_is_reported_with_each_ranks_last_call() -> None:
+    a = (AR, "seg/loss", [2], "float64")
+    results = _run([[a, a, (AR, "seg/boundary", [2], "float64")], [a, a]])
+    assert results[1] == {"done": 2, "error": None, "calls": []}  # rank 1 finished and left
+    err = results[0]["error"]
+    assert "rank 0 waited 3 s at all_reduce 'seg/boundary' (call #2)" in err
+    assert "rank 1 last recorded: rank 1: call #1 all_reduce (SUM) 'seg/loss'" in err
+
+
+def test_guard_off_is_a_plain_collective() -> None:
+    # what the guard is for: with it off, different metrics are summed into one number
+    assert spawn(_guard_workers.guard_switched_off_pairs_silently, 2) == [3.0, 3.0]
+
+
+def test_environment_switch_turns_the_guard_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REFIMPL_GUARD", "0")
+    assert not CollectiveGuard().enabled
+    monkeypatch.delenv("REFIMPL_GUARD")
+    assert CollectiveGuard().enabled  # no process group: checks are skipped, the guard is on
+
+
+def test_fingerprint_round_trip_and_long_names() -> None:
+    t = torch.zeros(3, 4, dtype=torch.bfloat16)
+    fp = _fingerprint(7, "all_reduce", "tâche/ünïcode", t, 4)
+    assert len(fp) == FINGERPRINT_LEN
+    call = _decode(2, fp)
+    assert (call.rank, call.seq, call.op, call.name, call.dtype, call.shape) == (
+        2, 7, "all_reduce", "tâche/ünïcode", "bfloat16", (3, 4))  # fmt: skip
+    assert str(call) == "rank 2: call #7 all_reduce (MAX) 'tâche/ünïcode' bfloat16[3x4]"
+    long_a, long_b = "x" * 200 + "a", "x" * 200 + "b"  # equal in the first 112 bytes
+    assert _fingerprint(0, "barrier", long_a, None, 0) != _fingerprint(
+        0, "barrier", long_b, None, 0
+    )
+    assert _decode(0, [0] * FINGERPRINT_LEN).name == "<not a guard fingerprint>"
+    with pytest.raises(ValueError, match="at most 8"):
+        _fingerprint(0, "all_reduce", "deep", torch.zeros([1] * 9), 0)
+
+
+def test_chapter_loop_guarded_stops_at_the_first_divergent_step() -> None:
+    res = spawn(mt.multitask_loop, 2, 8, kwargs={"guard": True}, pg_timeout_s=5, timeout_s=40)
+    for r in res:
+        assert r["error"].startswith("CollectiveMismatch: ranks disagree on collective #0")
+    fixed = spawn(mt.multitask_loop, 2, 8, kwargs={"guard": True, "fixed": True}, timeout_s=40)
+    assert [r["error"] for r in fixed] == [None, None]
+    assert [c["name"] for c in fixed[0]["calls"]] == [c["name"] for c in fixed[1]["calls"]]
+    # and the synced numbers are the true global means on every rank
+    truth = mt.true_means(fixed)
+    for r in fixed:
+        assert {k: s / c for k, (s, c) in sorted(r["synced"].items())} == pytest.approx(truth)
