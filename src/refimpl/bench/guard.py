@@ -4,7 +4,8 @@ Per all-reduce, side by side on the same 2 gloo ranks: a plain ``dist.all_reduce
 `refimpl.guard.CollectiveGuard` on, the guard switched off (``enabled=False``), and, in a
 second job started with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, the same plain all-reduce, which
 PyTorch's wrapper now checks (a gloo collective of its fingerprint before each call). Two
-message sizes: a metric (2 float64) and 1 MiB. The memcpy of the same bytes is the floor. Writes ``guard.json`` and ``guard.png``.
+message sizes: a metric (2 float64) and 1 MiB. The memcpy of the same bytes is the floor.
+Writes ``guard.json`` and ``guard.png``.
 """
 
 from __future__ import annotations
