@@ -188,3 +188,48 @@ def environment(**variables: str) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def call_table(results: list[dict[str, Any]], first: int = 8) -> str:
+    """Each rank's first ``first`` collectives side by side, ``!`` where the names differ."""
+    rows = []
+    for i in range(first):
+        names = [r["calls"][i]["name"] if i < len(r["calls"]) else "-" for r in results]
+        mark = "  " if len(set(names)) == 1 else "! "
+        rows.append(mark + f"#{i:<3}" + "".join(f"{n:<16}" for n in names))
+    header = "    " + "    " + "".join(f"rank {r['rank']:<11}" for r in results)
+    return "\n".join([header, *rows])
+
+
+def plot_call_sequences(
+    before: list[dict[str, Any]], after: list[dict[str, Any]], first: int = 14
+) -> Any:
+    """Two panels, one row per rank, one box per collective coloured by dataset and labelled
+    with the task: per-rank dataset choice (calls pair unrelated metrics) and the fix."""
+    import matplotlib.pyplot as plt
+
+    colours = {"cls": "#4C72B0", "det": "#55A868", "seg": "#C44E52"}
+    fig, axes = plt.subplots(2, 1, figsize=(11, 3.6), sharex=True)
+    for ax, results, title in (
+        (axes[0], before, "each rank picks its own dataset: call #i pairs different metrics"),
+        (axes[1], after, "MixtureSampler: the same dataset on every rank, calls pair up"),
+    ):
+        for res in results:
+            y = res["rank"]
+            for i, call in enumerate(res["calls"][:first]):
+                dataset, task = call["name"].split("/")
+                others = {r["calls"][i]["name"] for r in results if i < len(r["calls"])}
+                edge = "black" if len(others) > 1 else "white"
+                ax.add_patch(
+                    plt.Rectangle((i, y - 0.4), 0.95, 0.8, color=colours[dataset], ec=edge, lw=2)
+                )
+                ax.text(i + 0.47, y, task, ha="center", va="center", fontsize=7, color="white")
+        ax.set_ylim(len(results) - 0.5, -0.5)
+        ax.set_yticks(range(len(results)), [f"rank {r['rank']}" for r in results])
+        ax.set_title(title, fontsize=9, loc="left")
+    axes[1].set_xlim(0, first)
+    axes[1].set_xlabel("collective call number (black edge: ranks disagree on what it reduces)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
+    fig.legend(handles, list(colours), loc="upper right", ncol=3, fontsize=8)
+    fig.tight_layout()
+    return fig

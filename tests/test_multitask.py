@@ -1,0 +1,78 @@
+"""refimpl.demos.multitask: chapter 7's failure modes happen, end within their timeouts, and
+PyTorch's DETAIL mode catches the hang but not the same-shape twin."""
+
+from __future__ import annotations
+
+import time
+
+import matplotlib
+import pytest
+import torch
+
+from refimpl.demos import multitask as mt
+from refimpl.launch import spawn
+
+matplotlib.use("Agg")
+PG = 3.0
+
+
+def test_per_rank_choice_hangs_and_the_timeout_ends_it() -> None:
+    start = time.monotonic()
+    res = spawn(mt.multitask_loop, 2, 8, pg_timeout_s=PG, timeout_s=40)
+    assert time.monotonic() - start < 30  # ended by the 3 s group timeout, not the launcher
+    assert len(res[0]["calls"]) != len(res[1]["calls"])  # one rank made an extra all-reduce
+    assert all("Timed out" in r["error"] for r in res)
+    names = [[c["name"] for c in r["calls"]] for r in res]
+    assert names[0][0] != names[1][0]  # and the pairing was wrong from the first call
+    truth = mt.true_means(res)
+    got = {k: s / c for k, (s, c) in res[0]["synced"].items()}
+    assert any(abs(got[k] - truth[k]) > 0.01 for k in got)
+
+
+def test_quiet_twin_same_shapes_wrong_numbers_no_error() -> None:
+    res = spawn(mt.multitask_loop, 2, 8, kwargs={"datasets": ("cls", "det")}, timeout_s=40)
+    assert [r["error"] for r in res] == [None, None]
+    truth = mt.true_means(res)
+    got = {k: s / c for k, (s, c) in res[0]["synced"].items()}
+    assert any(abs(got[k] - truth[k]) > 0.01 for k in got)
+
+
+def test_detail_catches_the_hang_but_not_the_twin() -> None:
+    with mt.environment(TORCH_DISTRIBUTED_DEBUG="DETAIL"):
+        hang = spawn(mt.multitask_loop, 2, 8, pg_timeout_s=PG, timeout_s=40)
+        twin = spawn(mt.multitask_loop, 2, 8, kwargs={"datasets": ("cls", "det")}, timeout_s=40)
+    assert all("Detected mismatch between collectives" in r["error"] for r in hang)
+    assert all(r["seconds"] < PG for r in hang)  # caught at the call, not by the timeout
+    assert [r["error"] for r in twin] == [None, None]
+    assert mt.os.environ.get("TORCH_DISTRIBUTED_DEBUG") is None  # restored after the block
+
+
+def test_monitored_barrier_names_the_late_rank() -> None:
+    res = spawn(mt.multitask_loop, 2, 8, kwargs={"barrier_at_end": "monitored"}, pg_timeout_s=PG)
+    late = 1 if len(res[1]["calls"]) > len(res[0]["calls"]) else 0
+    assert late == 1  # with seed 3, rank 1 makes the extra call; rank 0 runs the barrier
+    assert f"Rank {late} failed to pass monitoredBarrier" in res[0]["error"]
+
+
+def test_all_gather_object_reads_a_float_as_a_size() -> None:
+    out = spawn(mt.gather_object_meets_all_gather, 2, pg_timeout_s=PG, timeout_s=40)
+    bits = torch.tensor([1e30], dtype=torch.float64).view(torch.int64).item()
+    assert f"you tried to allocate {bits} bytes" in out[0]
+
+
+def test_the_fix_pairs_every_call_and_the_figure_shows_it() -> None:
+    before = spawn(mt.multitask_loop, 2, 8, pg_timeout_s=PG, timeout_s=40)
+    after = spawn(mt.multitask_loop, 2, 8, kwargs={"fixed": True}, timeout_s=40)
+    assert [c["name"] for c in after[0]["calls"]] == [c["name"] for c in after[1]["calls"]]
+    fig = mt.plot_call_sequences(before, after)
+    edges = [p.get_edgecolor() for ax in fig.axes for p in ax.patches]
+    assert (0.0, 0.0, 0.0, 1.0) in edges  # disagreements drawn in the "before" panel only
+    assert all(p.get_edgecolor() != (0.0, 0.0, 0.0, 1.0) for p in fig.axes[1].patches)
+    assert "! #0" in mt.call_table(before) and "! " not in mt.call_table(after)
+
+
+def test_metric_values_are_deterministic_and_bounded() -> None:
+    vals = [mt.metric_value(d, t, i) for d in mt.TASKS for t in mt.TASKS[d] for i in range(50)]
+    assert all(0 <= v < 1 for v in vals) and len(set(vals)) > 100
+    with pytest.raises(ValueError):
+        mt.metric_value("cls", "iou", 0)  # cls has no iou task
