@@ -207,6 +207,7 @@ def plot_call_sequences(
     """Two panels, one row per rank, one box per collective coloured by dataset and labelled
     with the task: per-rank dataset choice (calls pair unrelated metrics) and the fix."""
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
 
     colours = {"cls": "#4C72B0", "det": "#55A868", "seg": "#C44E52"}
     fig, axes = plt.subplots(2, 1, figsize=(11, 3.6), sharex=True)
@@ -221,7 +222,7 @@ def plot_call_sequences(
                 others = {r["calls"][i]["name"] for r in results if i < len(r["calls"])}
                 edge = "black" if len(others) > 1 else "white"
                 ax.add_patch(
-                    plt.Rectangle((i, y - 0.4), 0.95, 0.8, color=colours[dataset], ec=edge, lw=2)
+                    Rectangle((i, y - 0.4), 0.95, 0.8, color=colours[dataset], ec=edge, lw=2)
                 )
                 ax.text(i + 0.47, y, task, ha="center", va="center", fontsize=7, color="white")
         ax.set_ylim(len(results) - 0.5, -0.5)
@@ -229,7 +230,7 @@ def plot_call_sequences(
         ax.set_title(title, fontsize=9, loc="left")
     axes[1].set_xlim(0, first)
     axes[1].set_xlabel("collective call number (black edge: ranks disagree on what it reduces)")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
+    handles = [Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
     fig.legend(handles, list(colours), loc="upper right", ncol=3, fontsize=8)
     fig.tight_layout()
     return fig
