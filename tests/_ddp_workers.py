@@ -48,3 +48,37 @@ def buffers_broadcast() -> bool:
     bn.running_mean.fill_(float(dist.get_rank()))
     MiniDDP(bn)
     return bool(torch.all(bn.running_mean == 0))
+
+
+def buffer_parity() -> dict[str, bool]:
+    """BatchNorm buffers of MiniDDP(forward_sync_buffers=True) equal DDP's after a sequence of
+    training forwards, a no_sync micro-step and an evaluation forward under no_grad (DDP's rule:
+    a forward re-broadcasts only if the previous one was a synchronising training forward);
+    plain MiniDDP lets the ranks drift apart."""
+    rank = dist.get_rank()
+    results = {}
+    states = []
+    for wrap in (
+        lambda m: DDP(m),
+        lambda m: MiniDDP(m, forward_sync_buffers=True),
+        lambda m: MiniDDP(m),
+    ):
+        torch.manual_seed(0)
+        bn = torch.nn.BatchNorm1d(4)
+        model = wrap(torch.nn.Sequential(bn, torch.nn.Linear(4, 1)))
+        for step in range(4):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * step + rank)) + rank
+            if step == 1:
+                with model.no_sync():
+                    model(x).sum().backward()
+            elif step == 2:
+                with torch.no_grad():
+                    model(x)
+            else:
+                model(x).sum().backward()
+        states.append(torch.cat([bn.running_mean.clone(), bn.running_var.clone()]))
+    gathered = [torch.empty_like(states[2]) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, states[2])
+    results["sync equals DDP"] = torch.equal(states[0], states[1])
+    results["plain MiniDDP differs across ranks"] = not torch.equal(gathered[0], gathered[1])
+    return results

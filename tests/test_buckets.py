@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from refimpl.buckets import MB, assign_buckets, bucket_bytes
-from refimpl.demos.ddp import make_mlp, torch_ddp_buckets
+from refimpl.demos.ddp import make_mlp, rebuild_follows_rank0, torch_ddp_buckets
 from refimpl.launch import spawn
 
 
@@ -86,3 +86,21 @@ def test_assign_buckets_equals_a_live_ddp_after_its_rebuild(cap: float | None) -
     # ... and rebuilds by the gradient-ready order it observed, with our rule.
     assert seen["after step 2"] == seen["assign_buckets"]
     assert len(seen["after step 2"]) >= 2
+
+
+def test_ddp_rebuilds_from_rank_0s_order_on_every_rank() -> None:
+    """Rank 1's gradients become ready in another order than rank 0's, yet after the rebuild
+    both ranks hold the buckets of rank 0's order. static_graph=True rebuilds too (one step
+    later), with or without find_unused_parameters; find_unused_parameters alone never does."""
+    rank0, rank1 = spawn(rebuild_follows_rank0, 2, timeout_s=60)
+    plain = rank1["DDP(model)"]
+    assert plain["ready order"] != rank0["DDP(model)"]["ready order"]
+    assert plain["assign_buckets(own order)"] != plain["assign_buckets(rank 0's order)"]
+    for r in (rank0, rank1):
+        expected = r["DDP(model)"]["assign_buckets(rank 0's order)"]
+        assert r["DDP(model)"]["buckets"][2:] == [expected, expected]  # after steps 2 and 3
+        for label in ("static_graph=True", "static_graph=True, find_unused_parameters=True"):
+            construction, *after = r[label]["buckets"]
+            assert after == [construction, construction, expected], label
+        unused = r["find_unused_parameters=True"]["buckets"]
+        assert unused == [unused[0]] * 4 and len(unused[0]) == 2

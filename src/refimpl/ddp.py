@@ -12,12 +12,20 @@ one call's latency per tensor. `MiniDDP` does what ``DistributedDataParallel``'s
    backward keeps computing earlier layers (buckets start strictly in index order, so every
    rank issues the same collectives in the same order);
 4. a callback queued on the autograd engine waits for every all-reduce at the end of backward
-   and points each ``param.grad`` at its averaged slice of the bucket (no copy back).
+   and points each ``param.grad`` at its averaged slice of the bucket (no copy back). That is
+   DDP with ``gradient_as_bucket_view=True``; DDP's default (``False``) copies the averaged
+   bucket back into a separate ``.grad`` tensor.
 
 ``no_sync()`` skips step 3 for gradient-accumulation micro-steps, and
 ``find_unused_parameters=True`` marks parameters that the forward pass did not reach as ready
 (with a zero gradient) so their bucket is still reduced on every rank.
 ``tests/test_ddp.py`` proves gradients and parameters equal ``DistributedDataParallel``'s.
+
+Where MiniDDP differs from DDP on purpose (each difference is shown in chapter 2):
+buffers are broadcast only at construction unless ``forward_sync_buffers=True`` (DDP's default
+re-broadcasts rank 0's buffers before every forward); ``no_sync()`` is read when the gradient
+hooks fire, during backward (DDP reads it during forward); buckets are fixed at construction
+in reverse parameter order (DDP rebuilds them once from rank 0's observed gradient order).
 """
 
 from __future__ import annotations
@@ -51,9 +59,11 @@ def broadcast_state(module: nn.Module) -> None:
 def fp16_compress_hook(bucket: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     """Communication hook that all-reduces the bucket in float16: half the bytes on the wire.
 
-    Same arithmetic as PyTorch's ``default_hooks.fp16_compress_hook``: cast, divide by the
-    world size, all-reduce, cast back. The price is fp16 rounding (about 3 decimal digits)
-    and overflow above 65504.
+    Same arithmetic as PyTorch's ``default_hooks.fp16_compress_hook``: cast, *then* divide by
+    the world size, all-reduce, cast back. The price is fp16 rounding (about 3 decimal digits)
+    and overflow: because the cast comes first, any rank's *local* gradient above 65504 becomes
+    ``inf`` before it is averaged (local 70000 and 50000 give ``inf``, not 60000), and the
+    ``inf`` reaches every rank.
     """
     compressed = bucket.to(torch.float16).div_(dist.get_world_size())
     work = dist.all_reduce(compressed, async_op=True)
@@ -104,7 +114,7 @@ class _DDPBase(nn.Module):
         self.world_size = dist.get_world_size()
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.names = [n for n, p in module.named_parameters() if p.requires_grad]
-        self.require_sync = True
+        self.require_sync = True  # False inside no_sync(); read by the hooks during backward
         self.trace = trace
         self.events: list[tuple[float, str, int]] = []  # (perf_counter, kind, index)
         broadcast_state(module)
@@ -119,7 +129,12 @@ class _DDPBase(nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Inside this block backward only accumulates local gradients; the next backward
-        outside it all-reduces the accumulated sum (one all-reduce per optimizer step)."""
+        outside it all-reduces the accumulated sum (one all-reduce per optimizer step).
+
+        The flag is read when the gradient hooks fire, i.e. during *backward*. PyTorch's DDP
+        reads it during *forward* (``require_backward_grad_sync`` in ``_post_forward``), so a
+        forward outside the block with the backward inside still synchronises there. Put both
+        the forward and the backward inside the block: then the two agree."""
         before, self.require_sync = self.require_sync, False
         try:
             yield
@@ -164,9 +179,18 @@ class MiniDDP(_DDPBase):
     after each forward and reduces a zero gradient for parameters it did not reach; without
     it such a parameter's bucket never starts, and this rank raises at the end of backward
     while the others wait for it. ``comm_hook`` replaces the all-reduce of a bucket (see
-    `fp16_compress_hook`). After backward each ``param.grad`` is a view into its bucket
-    (DDP's ``gradient_as_bucket_view=True``). With ``trace=True`` every hook, launch and
-    completion is timestamped into ``self.events`` (``(perf_counter, kind, index)``).
+    `fp16_compress_hook`). After backward each ``param.grad`` is a view into its bucket, as
+    with DDP's ``gradient_as_bucket_view=True`` (DDP's default, ``False``, copies back instead).
+    With ``trace=True`` every hook, launch and completion is timestamped into ``self.events``
+    (``(perf_counter, kind, index)``).
+
+    Buffers (BatchNorm running statistics) are broadcast from rank 0 once, at construction.
+    After that each rank updates its own copy from its own batches, so the copies drift apart
+    unless ``forward_sync_buffers=True``, which re-broadcasts rank 0's buffers before a forward
+    with DDP's rule (only when the previous forward was a synchronising training forward).
+    DDP's default is to re-broadcast; ``torch.nn.SyncBatchNorm`` instead computes the
+    statistics over the global batch (GPU only). ``no_sync()`` is decided at backward time
+    here, at forward time in DDP (see `no_sync`).
     """
 
     def __init__(
@@ -177,9 +201,12 @@ class MiniDDP(_DDPBase):
         find_unused_parameters: bool = False,
         comm_hook: CommHook | None = None,
         trace: bool = False,
+        forward_sync_buffers: bool = False,
     ) -> None:
         super().__init__(module, trace)
         self.find_unused_parameters = find_unused_parameters
+        self.forward_sync_buffers = forward_sync_buffers
+        self._sync_buffers_next = True  # DDP's require_forward_param_sync
         self.comm_hook = comm_hook
         self.buckets = assign_buckets(self.params, bucket_cap_mb, first_bucket_mb)
         self.where: dict[int, tuple[int, int]] = {}  # param index -> (bucket, offset)
@@ -212,6 +239,13 @@ class MiniDDP(_DDPBase):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._reset()  # a backward that raised must not leak its half-filled buckets
+        if self.forward_sync_buffers and self._sync_buffers_next:
+            with torch.no_grad():
+                for buf in self.module.buffers():
+                    dist.broadcast(buf, src=0)  # rank 0's running statistics win
+        # DDP's rule: the *next* forward syncs buffers only if this one is a synchronising
+        # training forward (grad enabled, outside no_sync).
+        self._sync_buffers_next = torch.is_grad_enabled() and self.require_sync
         out = self.module(*args, **kwargs)
         if self.find_unused_parameters and self.require_sync and torch.is_grad_enabled():
             reached = _reachable_params(out)

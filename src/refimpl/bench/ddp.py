@@ -1,12 +1,23 @@
 """``python -m refimpl.bench ddp --out DIR``: step time of naive / MiniDDP / torch DDP.
 
-Two gloo ranks train the same MLP (over 10M parameters by default) with each of the three
-data-parallel versions, for every ``bucket_cap_mb``. Repeats are interleaved (naive, mini,
-torch, mini, torch, naive, ...: the order rotates) so that load from other processes on a
-shared machine hits all three alike; each repeat times a few steps (forward, backward, SGD
-step) after a barrier and keeps the slowest rank's time. The JSON holds every sample, the
-medians with spread, and the ratios MiniDDP/DDP and naive/DDP per bucket size; the PNG
-plots them.
+Two gloo ranks train the same MLP (over 10M parameters by default) with four data-parallel
+versions, for every ``bucket_cap_mb``:
+
+- ``naive``: `NaiveDDP`, one blocking all-reduce per parameter after backward;
+- ``mini``: `MiniDDP` with that cap (its ``.grad`` is a view of the bucket);
+- ``ddp_view``: ``DDP(model, bucket_cap_mb=cap, gradient_as_bucket_view=True)``, the
+  like-for-like comparison for MiniDDP (same partition: an explicit cap is also the first
+  bucket's; gradients are bucket views);
+- ``ddp_default``: ``DDP(model)``, PyTorch's true default (25 MB with a 1 MB first bucket,
+  gradients copied back from the bucket); it does not depend on the cap and is measured in
+  every run as a reference.
+
+Repeats are interleaved (the order of the versions rotates every repeat) so that load from
+other processes on a shared machine hits all of them alike; each repeat times a few steps
+(forward, backward, SGD step) after a barrier and keeps the slowest rank's time. Ratios are
+paired: within each repeat the versions ran back to back, so each repeat gives one ratio and
+the JSON reports the median ratio (and its quartiles) besides the ratio of medians. The PNG
+plots median step times with their min-max range.
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +39,13 @@ from refimpl.ddp import MiniDDP, NaiveDDP
 from refimpl.demos.ddp import make_mlp
 from refimpl.launch import spawn
 
-IMPLS = ("naive", "mini", "torch")
+IMPLS = ("naive", "mini", "ddp_view", "ddp_default")
+RATIOS = {  # name: (numerator, denominator)
+    "mini/ddp_view": ("mini", "ddp_view"),
+    "naive/ddp_view": ("naive", "ddp_view"),
+    "ddp_default/ddp_view": ("ddp_default", "ddp_view"),
+    "mini/ddp_default": ("mini", "ddp_default"),
+}
 CAPS = (0.5, 1.0, 5.0, 25.0, 100.0)
 
 
@@ -37,7 +55,9 @@ def _wrap(impl: str, widths: tuple[int, ...], cap: float) -> torch.nn.Module:
         return NaiveDDP(model)
     if impl == "mini":
         return MiniDDP(model, bucket_cap_mb=cap)
-    return DDP(model, bucket_cap_mb=cap)
+    if impl == "ddp_view":
+        return DDP(model, bucket_cap_mb=cap, gradient_as_bucket_view=True)
+    return DDP(model)  # ddp_default: no bucket_cap_mb, so 25 MB with a 1 MB first bucket
 
 
 def step_times(
@@ -59,7 +79,8 @@ def step_times(
     samples: dict[str, list[float]] = {impl: [] for impl in IMPLS}
     for r in range(repeats):
         # Rotate who goes first, so no version always runs right after the same neighbour.
-        for impl in IMPLS[r % 3 :] + IMPLS[: r % 3]:
+        k = r % len(IMPLS)
+        for impl in IMPLS[k:] + IMPLS[:k]:
             dist.barrier()
             start = time.perf_counter()
             run(impl, steps)
@@ -67,6 +88,24 @@ def step_times(
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step lasts for the slowest rank
             samples[impl].append(float(elapsed))
     return samples
+
+
+def paired_ratios(result: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per ratio: the median (and quartiles) of the per-repeat ratios, and the ratio of the
+    medians. Paired ratios cancel load that hit one whole repeat."""
+    out = {}
+    for name, (num, den) in RATIOS.items():
+        per_repeat = sorted(
+            a / b for a, b in zip(result[num]["samples"], result[den]["samples"], strict=True)
+        )
+        q = statistics.quantiles(per_repeat, n=4) if len(per_repeat) > 1 else per_repeat * 3
+        out[name] = {
+            "median": statistics.median(per_repeat),
+            "q1": q[0],
+            "q3": q[-1],
+            "ratio_of_medians": result[num]["median"] / result[den]["median"],
+        }
+    return out
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
@@ -78,7 +117,12 @@ def plot(data: dict[str, Any], path: Path) -> None:
 
     caps = [float(c) for c in data["results"]]
     fig, ax = plt.subplots(figsize=(7, 4))
-    labels = {"naive": "naive (all-reduce after backward)", "mini": "MiniDDP", "torch": "torch DDP"}
+    labels = {
+        "naive": "naive (all-reduce after backward)",
+        "mini": "MiniDDP",
+        "ddp_view": "DDP(bucket_cap_mb=cap, gradient_as_bucket_view=True)",
+        "ddp_default": "DDP() default: 25 MB, 1 MB first, copy back",
+    }
     for impl in IMPLS:
         stats = [data["results"][str(c)][impl] for c in caps]
         med = [1e3 * s["median"] for s in stats]
@@ -86,14 +130,15 @@ def plot(data: dict[str, Any], path: Path) -> None:
             [1e3 * (s["median"] - s["min"]) for s in stats],
             [1e3 * (s["max"] - s["median"]) for s in stats],
         ]
-        ax.errorbar(caps, med, yerr=err, marker="o", capsize=3, label=labels[impl])
+        style = "--" if impl == "ddp_default" else "-"
+        ax.errorbar(caps, med, yerr=err, marker="o", capsize=3, label=labels[impl], ls=style)
     ax.set_xscale("log")
     ax.set_xticks(caps, [f"{c:g}" for c in caps])
     ax.set_xlabel("bucket_cap_mb")
     ax.set_ylabel("step time (ms), median, min–max")
     m = data["model"]
     ax.set_title(f"2 gloo ranks, {m['parameters'] / 1e6:.1f}M-parameter MLP, batch {m['batch']}")
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -120,13 +165,7 @@ def main(argv: list[str]) -> int:
             step_times, 2, cap, widths, args.batch, args.repeats, args.steps, timeout_s=600
         )[0]
         results[str(cap)] = {impl: summarize(s) | {"samples": s} for impl, s in samples.items()}
-    ratios = {
-        cap: {
-            "mini/torch": r["mini"]["median"] / r["torch"]["median"],
-            "naive/torch": r["naive"]["median"] / r["torch"]["median"],
-        }
-        for cap, r in results.items()
-    }
+    ratios = {cap: paired_ratios(r) for cap, r in results.items()}
     data = {
         "benchmark": "ddp step time: naive vs MiniDDP vs torch DDP",
         "machine": {
@@ -138,15 +177,14 @@ def main(argv: list[str]) -> int:
         },
         "model": {"widths": list(widths), "parameters": n_params, "batch": args.batch},
         "method": f"2 gloo ranks; {args.repeats} interleaved repeats of {args.steps} steps; "
-        "per repeat the slowest rank's seconds per step",
+        "per repeat the slowest rank's seconds per step; ratios: median over repeats of the "
+        "per-repeat ratio",
         "results": results,
         "ratios": ratios,
     }
     path = write_json(args.out, "bench_ddp", data)
     plot(data, args.out / "bench_ddp.png")
     for cap, r in ratios.items():
-        print(
-            f"cap {cap:>6} MB: MiniDDP/DDP {r['mini/torch']:.2f}  naive/DDP {r['naive/torch']:.2f}"
-        )
+        print(f"cap {cap:>6} MB: " + "  ".join(f"{k} {v['median']:.2f}" for k, v in r.items()))
     print(f"wrote {path} and {args.out / 'bench_ddp.png'}")
     return 0
