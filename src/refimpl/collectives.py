@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 from torch.utils.data.distributed import DistributedSampler
 
+from refimpl.device import rank_device
 from refimpl.launch import RankInfo, init_from_env
 
 __all__ = [
@@ -63,7 +64,9 @@ def show_collectives() -> dict[str, Any]:
     Rank ``r`` starts from ``[10r, 10r+1, ...]`` so every number says where it came from.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    mine = torch.arange(world, dtype=torch.int64) + 10 * rank
+    # rank_device(): the CPU under gloo, cuda:LOCAL_RANK under NCCL (which moves only GPU
+    # tensors), so the same worker runs from the notebook and under torchrun on a GPU node.
+    mine = torch.arange(world, dtype=torch.int64, device=rank_device()) + 10 * rank
 
     bcast = mine.clone()
     dist.broadcast(bcast, src=0)  # everyone gets rank 0's tensor
@@ -74,7 +77,7 @@ def show_collectives() -> dict[str, Any]:
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine)  # everyone gets every rank's tensor
 
-    piece = torch.empty(1, dtype=torch.int64)
+    piece = torch.empty(1, dtype=torch.int64, device=mine.device)
     dist.reduce_scatter(piece, list(mine.chunk(world)))  # rank r gets element r of the sum
 
     return {
@@ -143,8 +146,9 @@ def ring_matches_builtin(numel: int, seed: int = 0) -> dict[str, Any]:
     """
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(seed + rank)
-    ints = torch.randint(-1000, 1000, (numel,), generator=gen)
-    floats = torch.randn(numel, generator=gen)
+    device = rank_device()
+    ints = torch.randint(-1000, 1000, (numel,), generator=gen).to(device)
+    floats = torch.randn(numel, generator=gen).to(device)
     out: dict[str, Any] = {"rank": rank}
     for name, data in (("int64", ints), ("float32", floats)):
         ours, theirs = ring_all_reduce(data.clone()), data.clone()
@@ -161,7 +165,7 @@ def ring_snapshots() -> list[list[int]]:
     rank ``r``'s number is in the sum), which is what the chapter's ring figure draws.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    tensor = torch.full((world,), 2**rank, dtype=torch.int64)
+    tensor = torch.full((world,), 2**rank, dtype=torch.int64, device=rank_device())
     steps = [tensor.clone()]
     ring_all_reduce(tensor, snapshots=steps)
     return [s.tolist() for s in steps]
@@ -175,7 +179,7 @@ def time_all_reduce(sizes: list[int], repeats: int = 7) -> dict[int, float]:
     """
     medians: dict[int, float] = {}
     for numel in sizes:
-        tensor = torch.ones(numel)
+        tensor = torch.ones(numel, device=rank_device())
         dist.all_reduce(tensor)  # warm-up: first use sets up buffers and connections
         samples = []
         for _ in range(repeats):

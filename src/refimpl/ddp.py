@@ -337,6 +337,9 @@ class MiniDDP(_DDPBase):
         parameter nobody used keeps ``grad=None`` instead of a zero gradient."""
         if not self.find_unused_parameters:
             return [True] * len(self.params)
-        flags = torch.tensor([0 if i in self.unused else 1 for i in range(len(self.params))])
+        flags = torch.tensor(  # on the parameters' device: NCCL reduces only GPU tensors
+            [0 if i in self.unused else 1 for i in range(len(self.params))],
+            device=self.params[0].device,
+        )
         dist.all_reduce(flags)
         return [bool(f) for f in flags.tolist()]

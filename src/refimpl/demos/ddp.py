@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from refimpl.buckets import assign_buckets
 from refimpl.ddp import MiniDDP, NaiveDDP, fp16_compress_hook
+from refimpl.device import rank_device
 
 __all__ = [
     "Branchy",
@@ -104,7 +105,8 @@ def parity_with_torch_ddp(
     """Train torch DDP and MiniDDP side by side (same start, data, SGD) with gradient
     accumulation; every rank starts from a different random model. Returns the largest
     gradient and parameter differences seen, and whether the replicas stayed identical."""
-    base = make_mlp(seed=17 + dist.get_rank())  # different weights on every rank on purpose
+    device = rank_device()  # CPU under gloo, cuda:LOCAL_RANK under torchrun with NCCL
+    base = make_mlp(seed=17 + dist.get_rank()).to(device)  # different weights on every rank
     ref = DDP(copy.deepcopy(base), bucket_cap_mb=bucket_cap_mb)
     mine = MiniDDP(copy.deepcopy(base), bucket_cap_mb=bucket_cap_mb)
     if fp16:
@@ -117,7 +119,7 @@ def parity_with_torch_ddp(
     for step in range(steps):
         for model in (ref, mine):
             for micro in range(micro_steps):
-                x = _batch(step, micro)
+                x = _batch(step, micro).to(device)
                 sync = contextlib_null() if micro == micro_steps - 1 else model.no_sync()
                 with sync:
                     model(x).pow(2).mean().backward()
