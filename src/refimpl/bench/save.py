@@ -152,7 +152,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=7, help="timed rounds (>= 5)")
     parser.add_argument("--scratch", type=Path, default=None, help="where saves go")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--sizes-mb",
+        type=int,
+        nargs="+",
+        default=None,
+        help="the saving-overhead benchmark (chapter 9): every method incl. DCP sync/async, "
+        "blocking and total time, at each of these state sizes",
+    )
     args = parser.parse_args(argv)
+    if args.sizes_mb:
+        from refimpl.bench._save_report import run_overhead
+
+        return run_overhead(args.sizes_mb, args.repeats, args.out, args.scratch, args.quiet)
     from tqdm.auto import tqdm
 
     state = make_model_state(args.mb)

@@ -1,0 +1,224 @@
+"""``python -m refimpl.bench save --sizes-mb 256 1024 --out DIR``: what saving costs training.
+
+For each state size, every method saves the same state, round robin, one cold round and then
+``--repeats`` timed rounds. Each method reports two times: **blocking** (how long the
+training loop is stopped: until the call returns) and **total** (until the checkpoint is on
+disk and fsynced). For a synchronous save they are equal.
+
+- ``floor_memcpy``: copy the state into pre-allocated buffers, the least any save that
+  snapshots the state must block for;
+- ``floor_write_fsync``: one large ``os.write`` of the same bytes, then ``fsync``: the disk's
+  floor for making them durable;
+- ``torch_save``, ``torch_save_fsync``, ``atomic_save`` (`refimpl.atomic`);
+- ``dcp_sync``: ``dcp.save`` (``FileSystemWriter`` fsyncs its files by default);
+- ``dcp_async``: ``dcp.async_save`` with its default stager: a new CPU copy of the state on
+  every save, then the write in a background thread;
+- ``dcp_async_staged``: ``dcp.async_save`` with one ``DefaultStager`` kept across saves, which
+  reuses its staging buffers after the first save (pinned and shared memory off: there is no
+  GPU here).
+
+Beside them, training step time with and without a ``dcp_async_staged`` save in flight: the
+cost of the background write to the steps that overlap it (here, a thread and a disk shared
+with two CPU cores of compute). Everything runs in one process with no process group
+(``no_dist=True``): the chapters' multi-rank saves are measured in their notebooks.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from refimpl.atomic import atomic_save
+from refimpl.bench import summarize
+
+__all__ = ["METHODS", "measure_size", "step_time_with_background_save"]
+
+METHODS = (
+    "floor_memcpy",
+    "floor_write_fsync",
+    "torch_save",
+    "torch_save_fsync",
+    "atomic_save",
+    "dcp_sync",
+    "dcp_async",
+    "dcp_async_staged",
+)
+Timed = Callable[[Path], tuple[float, float]]  # path -> (blocking seconds, total seconds)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync(fn: Callable[[Path], object]) -> Timed:
+    def timed(path: Path) -> tuple[float, float]:
+        start = time.perf_counter()
+        fn(path)
+        elapsed = time.perf_counter() - start
+        return elapsed, elapsed
+
+    return timed
+
+
+def _methods(state: dict[str, torch.Tensor], stager: DefaultStager) -> dict[str, Timed]:
+    buffers = {k: torch.empty_like(v) for k, v in state.items()}
+    nbytes = sum(v.numel() * v.element_size() for v in state.values())
+    blob = bytearray(os.urandom(1 << 20)) * (nbytes >> 20)  # incompressible, as tensors are
+
+    def memcpy(path: Path) -> None:
+        for k, v in state.items():
+            buffers[k].copy_(v)
+
+    def write_fsync(path: Path) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(blob)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def torch_save_fsync(path: Path) -> None:
+        torch.save(state, path)
+        _fsync_file(path)
+
+    def async_timed(stager_for_call: DefaultStager | None) -> Timed:
+        def timed(path: Path) -> tuple[float, float]:
+            start = time.perf_counter()
+            kwargs: dict[str, Any] = (
+                {} if stager_for_call is None else {"async_stager": stager_for_call}
+            )
+            future: Any = dcp_async_save(
+                {"model": state}, checkpoint_id=path, no_dist=True, **kwargs
+            )
+            blocking = time.perf_counter() - start
+            future.result()  # the background write, fsync included, is done
+            return blocking, time.perf_counter() - start
+
+        return timed
+
+    return {
+        "floor_memcpy": _sync(memcpy),
+        "floor_write_fsync": _sync(write_fsync),
+        "torch_save": _sync(lambda p: torch.save(state, p)),
+        "torch_save_fsync": _sync(torch_save_fsync),
+        "atomic_save": _sync(lambda p: atomic_save(state, p)),
+        "dcp_sync": _sync(lambda p: dcp_save({"model": state}, checkpoint_id=p, no_dist=True)),
+        "dcp_async": async_timed(None),
+        "dcp_async_staged": async_timed(stager),
+    }
+
+
+def _clean(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def make_stager() -> DefaultStager:
+    """A stager for CPU tensors: synchronous copy into buffers it keeps for the next save."""
+    options = StagingOptions(
+        use_pinned_memory=False,
+        use_shared_memory=False,
+        use_async_staging=False,
+        use_non_blocking_copy=False,
+    )
+    return DefaultStager(options)
+
+
+def measure_size(
+    state: dict[str, torch.Tensor], scratch: Path, repeats: int, bar: Any = None
+) -> list[dict[str, Any]]:
+    """One row per method for this state: blocking and total seconds (median, spread, cold)."""
+    nbytes = sum(v.numel() * v.element_size() for v in state.values())
+    stager = make_stager()
+    todo = _methods(state, stager)
+    blocking: dict[str, list[float]] = {m: [] for m in todo}
+    total: dict[str, list[float]] = {m: [] for m in todo}
+    cold: dict[str, tuple[float, float]] = {}
+    try:
+        for rnd in range(repeats + 1):
+            for name, timed in todo.items():
+                path = scratch / f"{name}_{rnd}"
+                blocked_s, total_s = timed(path)
+                _clean(path)
+                if rnd == 0:
+                    cold[name] = (blocked_s, total_s)  # first buffers, first files: apart
+                else:
+                    blocking[name].append(blocked_s)
+                    total[name].append(total_s)
+                if bar is not None:
+                    bar.update(1)
+    finally:
+        stager.close()
+    rows = []
+    for name in todo:
+        b = summarize(blocking[name])
+        t = summarize(total[name])
+        rows.append({
+            "method": name, "bytes": nbytes,
+            "blocking_s_median": b["median"], "blocking_s_min": b["min"],
+            "blocking_s_max": b["max"], "total_s_median": t["median"],
+            "total_s_min": t["min"], "total_s_max": t["max"], "repeats": repeats,
+            "cold_blocking_s": cold[name][0], "cold_total_s": cold[name][1],
+        })  # fmt: skip
+    return rows
+
+
+def step_time_with_background_save(
+    state: dict[str, torch.Tensor], scratch: Path, steps: int = 30, width: int = 1024
+) -> dict[str, float]:
+    """Median seconds per training step of a small MLP, alone and while a staged async save of
+    ``state`` is being written in the background (steps counted only while it is in flight)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(64, width)
+
+    def step() -> float:
+        start = time.perf_counter()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        return time.perf_counter() - start
+
+    for _ in range(3):
+        step()  # warm-up
+    alone = [step() for _ in range(steps)]
+    stager = make_stager()
+    during: list[float] = []
+    try:
+        for k in range(3):  # several saves, so enough steps overlap a write
+            path = scratch / f"inflight_{k}"
+            future: Any = dcp_async_save(
+                {"model": state}, checkpoint_id=path, no_dist=True, async_stager=stager
+            )
+            while not future.done():
+                during.append(step())
+            future.result()
+            _clean(path)
+    finally:
+        stager.close()
+    during = during or [float("nan")]
+    return {
+        "step_s_median_alone": summarize(alone)["median"],
+        "step_s_median_during_save": summarize(during)["median"],
+        "steps_during_save": float(len(during)),
+    }
