@@ -288,8 +288,8 @@ def test_resave_killed_at_random_points_never_loses_the_step(tmp_path: Path) -> 
 
 @pytest.mark.parametrize(
     "bad_value",
-    [lambda: 1, Path("/data/x"), __import__("numpy").float64(0.5)],
-    ids=["function", "pathlib.Path", "np.float64"],
+    [lambda: 1, Path("/data/x"), __import__("numpy").float64(0.5), frozenset({1})],
+    ids=["function", "pathlib.Path", "np.float64", "frozenset"],
 )
 def test_an_unloadable_state_is_refused_before_anything_is_written_or_pruned(
     tmp_path: Path, bad_value: object
@@ -557,3 +557,24 @@ def test_cli_list_verify_inspect_on_good_and_corrupted_checkpoints(tmp_path: Pat
     assert code == 1 and "mismatch" in out, out
     code, out = _cli("verify", str(tmp_path / "empty"))
     assert code == 1 and "nothing to verify" in out, out
+
+
+@pytest.mark.parametrize(
+    "value",
+    [{1, 2}, frozenset({1}), bytearray(b"x"), 1 + 2j, __import__("collections").Counter(a=1)],
+    ids=["set", "frozenset", "bytearray", "complex", "Counter"],
+)
+def test_the_pre_save_check_agrees_with_torch_load_itself(tmp_path: Path, value: object) -> None:
+    """find_unloadable must refuse exactly what torch.load(weights_only=True) refuses: a value
+    it accepts but torch cannot rebuild is a checkpoint that is counted, prunes older steps,
+    and never loads."""
+    from refimpl._manifest import find_unloadable
+
+    path = tmp_path / "probe.pt"
+    torch.save({"v": value}, path)
+    try:
+        torch.load(path, weights_only=True)
+        torch_loads = True
+    except Exception:
+        torch_loads = False
+    assert (find_unloadable({"v": value}) is None) == torch_loads
