@@ -1,0 +1,239 @@
+"""Chapter 9: `AsyncSaver`, the background half of `refimpl.sharded.async_save_sharded`.
+
+What ``dcp.async_save`` does (torch 2.13, ``state_dict_saver.py``): it *stages* the state
+(copies every tensor to CPU memory through an ``AsyncStager``), then runs ``dcp.save`` on the
+copy in a thread, using the process group it is given for its collectives. Two things are
+ours:
+
+- one ``DefaultStager`` kept for the saver's lifetime. Its ``StateDictStager`` caches one CPU
+  buffer per source storage and copies into it on every later save, so the staging memory
+  (one copy of this rank's shard of the model and optimizer) is allocated once;
+- a dedicated gloo process group for the background collectives (DCP's plan exchange, and
+  our digest gather and commit broadcast), so they never interleave with the training
+  loop's collectives on the default group; and one save in flight at a time.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict_saver import async_save
+from torch.distributed.tensor import DTensor
+
+from refimpl._sharded_commit import dcp_failure
+from refimpl._sharded_group import Group, commit_step, discard, prepare_step
+
+
+class _ReusingStager(DefaultStager):
+    """DCP's ``DefaultStager``, copying in the calling thread (pinned buffers when CUDA is
+    there, no shared memory), that remembers where the staged tensors live."""
+
+    def __init__(self) -> None:
+        pinned = torch.cuda.is_available()
+        super().__init__(StagingOptions(pinned, False, False, False))
+        self.addresses: tuple[int, ...] = ()
+        self.nbytes = 0
+
+    def stage(self, state_dict: Any, **kwargs: Any) -> Any:
+        staged = super().stage(state_dict, **kwargs)
+        tensors = [t.to_local() if isinstance(t, DTensor) else t for t in _tensors(staged)]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        self.addresses = tuple(sorted(storages))
+        self.nbytes = sum(storages.values())
+        return staged
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def _timeout_of(group: dist.ProcessGroup | None) -> timedelta | None:
+    """The collective timeout of ``group`` (default: the world), or None if unreadable."""
+    pg = group or dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            timeout = pg._get_backend(torch.device(device)).options._timeout  # type: ignore[union-attr]
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+        if isinstance(timeout, timedelta):
+            return timeout
+    return None
+
+
+class AsyncSaveHandle:
+    """One background save. ``step`` and ``path`` (the final ``step_N``) are known at once;
+    ``staged_bytes`` is the size of this rank's staging copy; ``result()`` waits."""
+
+    def __init__(
+        self, step: int, path: Path, future: concurrent.futures.Future[Path], staged_bytes: int
+    ) -> None:
+        self.step = step
+        self.path = path
+        self.staged_bytes = staged_bytes
+        self._future = future
+        self.error_seen = False  # its error reached the caller once: the saver will not re-raise
+
+    def done(self) -> bool:
+        """Whether the save has finished (committed or failed)."""
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> Path:
+        """Wait until the step is committed and return its directory.
+
+        Raises `refimpl.sharded.ShardedCheckpointError` if any rank's save or the commit
+        failed (nothing was published then), ``TimeoutError`` after ``timeout`` seconds.
+        """
+        try:
+            return self._future.result(timeout)
+        except BaseException:
+            if self._future.done() and self._future.exception() is not None:
+                self.error_seen = True  # its own error, not a timeout or a Ctrl-C while waiting
+            raise
+
+
+class AsyncSaver:
+    """Background sharded saves, one at a time, on a dedicated gloo process group.
+
+    Create it on every rank after the process group is initialised (creating the dedicated
+    group is collective); ``process_group`` limits it to that group's ranks, whose collective
+    timeout it inherits unless ``timeout_s`` is given (``dist.new_group`` alone would give
+    it torch's 30-minute default). Its staging buffers live until `close`.
+    `refimpl.sharded.async_save_sharded` uses a per-process default; create one yourself to
+    control its lifetime::
+
+        saver = AsyncSaver()
+        handle = saver.save("ckpt", model, optimizer, step)
+        ...
+        saver.close()          # waits for the last save, frees the staging memory
+
+    Call it from the training thread only, and wait for the last save (``close``, `wait` or
+    the handle's ``result``) before the process group is destroyed: a save still running
+    then fails, and is never published.
+    """
+
+    def __init__(
+        self,
+        process_group: torch.distributed.ProcessGroup | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "AsyncSaver needs an initialised process group (refimpl.launch.spawn or "
+                "torchrun); without one, use save_sharded"
+            )
+        ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+        timeout = _timeout_of(process_group) if timeout_s is None else timedelta(seconds=timeout_s)
+        self._pg = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        self._stager = _ReusingStager()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="refimpl-async-save")
+        self._pending: AsyncSaveHandle | None = None
+        self._closed = False
+
+    @property
+    def staging_addresses(self) -> tuple[int, ...]:
+        """Addresses of the last save's staging buffers, the same on every save (reused)."""
+        return self._stager.addresses
+
+    def save(
+        self,
+        ckpt_dir: str | os.PathLike[str],
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        step: int,
+        *,
+        keep_last: int | None = 3,
+    ) -> AsyncSaveHandle:
+        """Wait for the previous save, stage, start writing; see `async_save_sharded`."""
+        if self._closed:
+            raise RuntimeError("this AsyncSaver is closed; create a new one")
+        self.wait()
+        group = Group(self._pg)
+        tmp, final = prepare_step(group, Path(ckpt_dir), step)
+        try:
+            msd, osd = get_state_dict(model, optimizer)
+            upload = async_save(
+                {"model": msd, "optim": osd},
+                storage_writer=FileSystemWriter(tmp, sync_files=True, overwrite=False),
+                process_group=self._pg,
+                async_stager=self._stager,
+            )
+        except BaseException as exc:
+            discard(group, tmp)
+            failure = dcp_failure(exc, final, f"async save of step {step}", group.rank)
+            if failure is exc:  # a Ctrl-C stays a Ctrl-C
+                raise
+            raise failure from exc
+        if not isinstance(upload, Future):  # an AsyncSaveResponse: only with async staging
+            raise TypeError(f"dcp.async_save returned {type(upload).__name__}, not a Future")
+        future = self._pool.submit(self._finish, group, upload, tmp, final, step, keep_last)
+        self._pending = AsyncSaveHandle(step, final, future, self._stager.nbytes)
+        return self._pending
+
+    @staticmethod
+    def _finish(
+        group: Group, upload: Future[Any], tmp: Path, final: Path, step: int, keep: int | None
+    ) -> Path:
+        try:
+            upload.result()  # every rank's shards written and fsynced, .metadata written
+        except BaseException as exc:
+            discard(group, tmp)
+            failure = dcp_failure(exc, final, f"async save of step {step}", group.rank)
+            if failure is exc:  # a Ctrl-C stays a Ctrl-C
+                raise
+            raise failure from exc
+        return commit_step(group, tmp, final, step, keep)
+
+    def wait(self) -> Path | None:
+        """Wait for the save in flight, if any; return its step directory, or raise its error
+        unless its handle already raised it."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        seen = pending.error_seen
+        try:
+            return pending.result()
+        except BaseException:
+            if seen and pending.done():
+                return None
+            raise
+
+    def close(self) -> None:
+        """Wait for the last save, then free the staging buffers and the worker thread."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._stager.close()
+            self._pool.shutdown(wait=True)
+
+
+_DEFAULT: dict[str, Any] = {}
+
+
+def default_saver() -> AsyncSaver:
+    """The process's `AsyncSaver` for the current default process group (made on first use)."""
+    world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    saver = _DEFAULT.get("saver")
+    if not isinstance(saver, AsyncSaver) or saver._closed or _DEFAULT.get("world") is not world:
+        saver = AsyncSaver()
+        _DEFAULT.update(saver=saver, world=world)
+    return saver

@@ -1,0 +1,307 @@
+"""Chapters 8-9: sharded checkpoints with DCP that commit atomically and load at any size.
+
+``torch.distributed.checkpoint`` (DCP) has every rank write its own shards in parallel and
+reshards on load, but its ``FileSystemWriter`` writes straight into the directory it is
+given: a save that dies half-way leaves new shards beside an old ``.metadata`` (which then
+loads silently wrong), a failure surfaces as ``CheckpointException``, a ``BaseException``
+that ``except Exception`` misses, and ``dcp.load`` unpickles ``.metadata`` with plain
+``pickle.load``. Here DCP keeps doing the writing and the resharding; refimpl adds:
+
+- a fresh hidden temporary directory for every save, committed by rank 0 once every rank's
+  files are durable: ``MANIFEST.json`` (size and xxh3-128 digest of each file), the
+  ``COMMITTED`` marker, fsync, rename to ``step_N``, fsync of the parent
+  (`refimpl._sharded_group` has the protocol);
+- a loader that verifies the manifest and unpickles ``.metadata`` through an allowlist
+  *before* DCP opens anything, falls back past incomplete, corrupt or hostile steps saying
+  why, and loads non-tensor items weights-only;
+- errors that are `refimpl.checkpoint.CheckpointError`\\ s naming the ranks, the step and
+  what to do next.
+
+The top-level keys are ``"model"`` and ``"optim"`` exactly as ``get_state_dict`` produces
+them, so a plain ``dcp.load`` reads the same directory. Every function is called on every
+rank of the group (or without a process group, as a world of one).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from refimpl._dcp_metadata import UnsafeMetadata, check_metadata
+from refimpl._sharded_async import AsyncSaveHandle, AsyncSaver, default_saver
+from refimpl._sharded_commit import (
+    LOAD_ADVICE,
+    METADATA,
+    ShardedCheckpointError,
+    WeightsOnlyEmptyPlanner,
+    WeightsOnlyLoadPlanner,
+    choose_step,
+    dcp_failure,
+    verify_step,
+)
+from refimpl._sharded_group import Group, commit_step, discard, prepare_step, quiet_no_dist
+from refimpl.atomic import atomic_save
+from refimpl.checkpoint import CheckpointError, _as_step
+
+__all__ = [
+    "AsyncSaveHandle",
+    "AsyncSaver",
+    "ShardedCheckpointError",
+    "async_save_sharded",
+    "consolidate",
+    "load_sharded",
+    "save_sharded",
+    "verify_sharded",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def _check_keep_last(keep_last: int | None) -> None:
+    if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
+        raise ValueError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
+
+
+def save_sharded(
+    ckpt_dir: str | os.PathLike[str],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    *,
+    keep_last: int | None = 3,
+    process_group: dist.ProcessGroup | None = None,
+) -> Path:
+    """Save ``model`` and ``optimizer`` as the committed step ``ckpt_dir/step_N``; return it.
+
+    Collective: call it on every rank. The state comes from ``get_state_dict(model,
+    optimizer)`` (FSDP2 / DTensor shards stay sharded, each rank writes its own) and is
+    written by ``dcp.save({"model": ..., "optim": ...})`` into a fresh temporary directory,
+    which rank 0 commits (manifest, marker, fsync, rename) only after every rank's files are
+    on disk; then the ``keep_last`` newest committed steps up to this one are kept. Any
+    failure on any rank (a full disk, a rank that died: the others get an error within the
+    process group's timeout, not a hang) raises `ShardedCheckpointError` on every rank that
+    is still alive, naming the failed ranks; nothing is published and earlier steps are
+    untouched. Re-saving an existing step swaps the new copy in atomically.
+
+    Example::
+
+        path = save_sharded("ckpt", model, optimizer, step=200)   # -> ckpt/step_00000200
+    """
+    step = _as_step(step)
+    _check_keep_last(keep_last)
+    group = Group(process_group)
+    tmp, final = prepare_step(group, Path(ckpt_dir), step)
+    try:
+        msd, osd = get_state_dict(model, optimizer)
+        with quiet_no_dist(group):
+            dcp_save(
+                {"model": msd, "optim": osd},
+                storage_writer=FileSystemWriter(tmp, sync_files=True, overwrite=False),
+                **group.dcp_kwargs(),
+            )
+    except BaseException as exc:
+        discard(group, tmp)
+        failure = dcp_failure(exc, final, f"save of step {step}", group.rank)
+        if failure is exc:  # a Ctrl-C stays a Ctrl-C
+            raise
+        raise failure from exc
+    return commit_step(group, tmp, final, step, keep_last)
+
+
+def async_save_sharded(
+    ckpt_dir: str | os.PathLike[str],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    *,
+    keep_last: int | None = 3,
+    saver: AsyncSaver | None = None,
+) -> AsyncSaveHandle:
+    """Start saving like `save_sharded`, but return once the state is copied; commit later.
+
+    Collective. It first waits for this process's previous async save (never two in flight;
+    a failure of that one is raised here), copies this rank's state into staging buffers
+    that are allocated on the first save and reused by every later one, and hands the rest
+    to ``dcp.async_save`` on a dedicated gloo process group: writing, then the same commit
+    as `save_sharded`, in a background thread, while training goes on. The saved values are
+    those at the time of the call. ``saver`` defaults to one `AsyncSaver` per process
+    (created on the first call, on every rank). Call ``.result()`` on the returned
+    `AsyncSaveHandle` (or `AsyncSaver.wait`) before exiting.
+
+    Example::
+
+        handle = async_save_sharded("ckpt", model, optimizer, step)
+        ...                          # keep training
+        handle.result()              # -> ckpt/step_N, committed
+    """
+    step = _as_step(step)
+    _check_keep_last(keep_last)
+    return (saver or default_saver()).save(ckpt_dir, model, optimizer, step, keep_last=keep_last)
+
+
+def verify_sharded(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """Check one sharded step without letting DCP unpickle anything; return its manifest.
+
+    Raises `refimpl.checkpoint.CheckpointError` naming the first problem: no commit marker,
+    a bad manifest, files that differ from it (missing, extra, truncated, changed bytes), or
+    a ``.metadata`` that names anything outside the allowlist of DCP's own metadata classes
+    or points an item outside the checkpoint's shard files.
+    """
+    return verify_step(Path(step_dir))
+
+
+def _log_skip(step_dir: Path, reason: str) -> None:
+    logger.warning("load_sharded: skipped %s (%s); trying an older step", step_dir.name, reason)
+
+
+def _load_step(
+    group: Group, step_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> None:
+    """Every rank checks ``.metadata``, then DCP loads weights-only and the state is set."""
+    try:
+        check_metadata(step_dir / METADATA)
+        mine = None
+    except (UnsafeMetadata, OSError) as exc:
+        mine = f"rank {group.rank}: {exc}"
+    refused = [why for why in group.gather(mine) if why]
+    if refused:
+        err = ShardedCheckpointError(
+            step_dir / METADATA, f"refused before DCP opened it: {'; '.join(refused)}"
+        )
+        err.unsafe = True
+        raise err
+    try:
+        if optimizer is None:
+            state: dict[str, Any] = {"model": get_model_state_dict(model)}
+        else:
+            msd, osd = get_state_dict(model, optimizer)
+            state = {"model": msd, "optim": osd}
+        with quiet_no_dist(group):
+            dcp_load(
+                state,
+                storage_reader=FileSystemReader(step_dir),
+                planner=WeightsOnlyLoadPlanner(),
+                **group.dcp_kwargs(),
+            )
+        if optimizer is None:
+            set_model_state_dict(model, state["model"])
+        else:
+            set_state_dict(
+                model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            )
+    except BaseException as exc:
+        what = f"load of {step_dir.name}"
+        failure = dcp_failure(exc, step_dir, what, group.rank, LOAD_ADVICE)
+        if failure is exc:  # a Ctrl-C stays a Ctrl-C
+            raise
+        raise failure from exc
+
+
+def load_sharded(
+    path: str | os.PathLike[str],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    on_skip: Callable[[Path, str], None] | None = None,
+) -> int | None:
+    """Load the newest verified step of ``path`` into ``model`` (and ``optimizer``).
+
+    Collective. ``path`` is a checkpoint directory (steps are tried newest first; each one
+    that is incomplete, corrupt or hostile is skipped and reported through ``on_skip(step_dir,
+    reason)``, by default a warning logged on rank 0) or one ``step_N`` directory (loaded or
+    refused, no fallback). Rank 0 verifies the manifest and every digest, each rank checks
+    ``.metadata`` with the allowlist unpickler, and only then does ``dcp.load`` read, with
+    non-tensor items loaded weights-only (one that is not is refused, and the next older
+    step tried); ``set_state_dict`` puts the result in place. The world size may differ
+    from the one that saved: DCP reshards. Returns the step loaded, or None when there is
+    none (a fresh start). A step that verifies but does not fit the model raises
+    `ShardedCheckpointError`.
+
+    Example::
+
+        step = load_sharded("ckpt", model, optimizer)
+        start = 0 if step is None else step + 1
+    """
+    group = Group(process_group)
+    report = on_skip or (_log_skip if group.rank == 0 else lambda _d, _w: None)
+    below: int | None = None
+    while True:
+        chosen = choose_step(Path(path), below) if group.rank == 0 else None
+        step, step_dir_s, skipped, fatal, single = group.broadcast(chosen)
+        for skipped_dir, why in skipped:
+            report(Path(skipped_dir), why)
+        if fatal is not None:
+            raise ShardedCheckpointError(path, fatal)
+        if step_dir_s is None:
+            logger.info("load_sharded: no verified step in %s: starting fresh", path)
+            return None
+        try:
+            _load_step(group, Path(step_dir_s), model, optimizer)
+            return int(step)
+        except ShardedCheckpointError as err:
+            if single or not err.unsafe:
+                raise
+            report(Path(step_dir_s), str(err))
+            below = step
+
+
+def consolidate(
+    step_dir: str | os.PathLike[str],
+    out_path: str | os.PathLike[str],
+    *,
+    key: str = "model",
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write the full (unsharded) ``key`` of a sharded step to one ``torch.save`` file.
+
+    For inference or export, in one process, no process group needed. The step is verified
+    first (`verify_sharded`); DCP then rebuilds every tensor whole (what
+    ``format_utils.dcp_to_torch_save`` does, but with non-tensor items loaded weights-only
+    and only ``key`` read); floating-point tensors are cast to ``dtype`` if given; the file
+    is written with `refimpl.atomic.atomic_save`, so a crash leaves the old file or the new
+    one. The result loads with ``refimpl.checkpoint.safe_load`` and, for ``key="model"``,
+    ``model.load_state_dict`` on an unwrapped model. Returns ``out_path``.
+    """
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    step_dir = Path(step_dir)
+    verify_step(step_dir)
+    state: dict[str, Any] = {}
+    try:
+        _load_state_dict(
+            state,
+            storage_reader=FileSystemReader(step_dir),
+            planner=WeightsOnlyEmptyPlanner(keys=[key]),
+            no_dist=True,
+        )
+    except BaseException as exc:
+        what = f"consolidation of {step_dir.name}"
+        failure = dcp_failure(exc, step_dir, what, 0, LOAD_ADVICE)
+        if failure is exc:  # a Ctrl-C stays a Ctrl-C
+            raise
+        raise failure from exc
+    if key not in state:
+        raise CheckpointError(step_dir, f"has no top-level key {key!r}; try 'model' or 'optim'")
+    value = state[key]
+    if dtype is not None:
+        value = {
+            k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+            for k, v in value.items()
+        }
+    return atomic_save(value, out_path)
