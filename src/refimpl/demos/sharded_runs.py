@@ -1,4 +1,7 @@
-"""Test-only workers for tests/test_sharded.py (importable by name, as spawn requires)."""
+"""Chapters 8-9's multi-rank runs: a rank killed in the middle of a sharded save, and async
+saves that run while training goes on. Spawned through `refimpl.launch.spawn`; each returns
+what the chapter prints (and `tests/test_sharded.py` asserts).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -23,6 +26,8 @@ from refimpl.sharded import (
     load_sharded,
     save_sharded,
 )
+
+__all__ = ["async_worker", "kill_mid_save_demo", "kill_worker"]
 
 
 def async_worker(ckpt_dir: str, ref_path: str) -> dict[str, Any]:
@@ -47,7 +52,7 @@ def async_worker(ckpt_dir: str, ref_path: str) -> dict[str, Any]:
     train(model, opt, range(3, 6))  # training goes on while step 2 is written
     second_path = second.result(timeout=60)
     moved = max_abs_diff(full_state(model, opt)["model"], at_call["model"]) if at_call else 0.0
-    local = [p.to_local() for p in model.parameters()]  # type: ignore[operator]
+    local = [cast(Any, p).to_local() for p in model.parameters()]  # DTensor shards
     param_bytes = sum(t.untyped_storage().nbytes() for t in local)
     with failing_writes(1):  # stays patched until the background write has run
         third = saver.save(ckpt_dir, model, opt, 3)

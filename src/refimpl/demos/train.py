@@ -1,0 +1,253 @@
+"""Chapter 10's harness: run `refimpl.train` as a reader would, signal a rank, read the log.
+
+`run_train` starts ``torchrun ... -m refimpl.train`` (or plain ``python -m refimpl.train``) in a
+subprocess, with ``PYTHONUNBUFFERED`` removed from its environment, so the log is what a job's
+log file would hold; it can SIGTERM one rank once that step has been logged (a preemption).
+`parse_log` turns the ``[rankR] ...`` lines into events, `attempts` into one summary per
+torchrun attempt (where it resumed, the losses it logged, how it ended), and `plot_attempts`
+draws them. `same_weights` is the bit-for-bit comparison of two ``--final-weights`` files.
+
+Signalling a rank reads ``/proc`` (which process is torchrun's worker with ``RANK=r``): Linux.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from refimpl.checkpoint import safe_load
+
+__all__ = ["Event", "TrainRun", "attempts", "parse_log", "plot_attempts", "run_train"]
+__all__ += ["same_weights", "train_command"]
+
+_PATTERNS = {
+    "start": re.compile(r"start: world (\d+), restart (\d+)"),
+    "fresh": re.compile(r"no checkpoint in"),
+    "resume": re.compile(r"resumed from step_(\d+)"),
+    "loss": re.compile(r"step (\d+) loss ([-\d.e]+)"),
+    "save": re.compile(r"saved step_0*(\d+)"),
+    "fault": re.compile(r"injected fault: .* step (\d+)"),
+    "stop": re.compile(r"SIGTERM: stopped after step (\d+)"),
+    "final": re.compile(r"final weights at step (\d+)"),
+    "done": re.compile(r"done: (\d+) steps"),
+}
+_LINE = re.compile(r"^\[rank(\d+)\] (.*)$")
+
+
+@dataclass(frozen=True)
+class Event:
+    """One ``[rankR]`` log line: the torchrun attempt (restart count) it belongs to, its kind
+    (start, fresh, resume, loss, save, fault, stop, final, done) and its step (or None)."""
+
+    attempt: int
+    rank: int
+    kind: str
+    step: int | None
+    value: float | None = None
+
+
+@dataclass
+class TrainRun:
+    """What `run_train` saw: the exit status, both streams and the wall-clock seconds."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+    events: list[Event] = field(default_factory=list)
+
+
+def train_command(
+    train_args: Sequence[str], *, launcher: str = "torchrun", nproc: int = 2, max_restarts: int = 2
+) -> list[str]:
+    """The command line: ``torchrun --standalone ... -m refimpl.train ARGS`` or ``python -m``."""
+    if launcher == "python":
+        return [sys.executable, "-m", "refimpl.train", *train_args]
+    if launcher != "torchrun":
+        raise ValueError(f"launcher must be 'torchrun' or 'python', not {launcher!r}")
+    torchrun = Path(sys.executable).with_name("torchrun")  # the one of this environment
+    head = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    return [*head, "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
+            "-m", "refimpl.train", *train_args]  # fmt: skip
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # field 4: the parent's pid
+                found.append(int(entry))
+    return found
+
+
+def _worker_pid(torchrun_pid: int, rank: int) -> int | None:
+    """The pid of torchrun's worker whose environment has ``RANK=rank``."""
+    for pid in _children(torchrun_pid):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env:
+            return pid
+    return None
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and its descendants (torchrun's workers run in sessions of their own)."""
+    pids, i = [pid], 0
+    while i < len(pids):
+        pids += _children(pids[i])
+        i += 1
+    for p in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
+def run_train(
+    train_args: Sequence[str],
+    *,
+    launcher: str = "torchrun",
+    nproc: int = 2,
+    max_restarts: int = 2,
+    sigterm_rank: int | None = None,
+    sigterm_after_step: int = 1,
+    timeout_s: float = 120.0,
+    cwd: str | os.PathLike[str] | None = None,
+    share_store: bool = False,
+) -> TrainRun:
+    """Run the trainer in a subprocess and return what it did; never hangs past ``timeout_s``.
+
+    With ``sigterm_rank``, that rank (the process itself for ``launcher="python"``) gets one
+    SIGTERM as soon as rank 0 has logged step ``sigterm_after_step``. On a timeout, the whole
+    process tree is killed and `TimeoutError` is raised with the output so far.
+
+    torchrun runs with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a fresh store per attempt)
+    unless ``share_store=True``: torch 2.13's shared store lets a restarted group read the dead
+    workers' addresses, and the restart then fails or hangs, sometimes (see `refimpl.train`).
+    """
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if not share_store:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    cmd = train_command(train_args, launcher=launcher, nproc=nproc, max_restarts=max_restarts)
+    start = time.monotonic()
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=cwd
+        )
+        fired = threading.Event()
+
+        def on_timeout() -> None:
+            fired.set()
+            _kill_tree(proc.pid)
+
+        timer = threading.Timer(timeout_s, on_timeout)
+        timer.start()
+        lines: list[str] = []
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.append(line)
+                loss = _PATTERNS["loss"].search(line)
+                if sigterm_rank is not None and loss and int(loss.group(1)) >= sigterm_after_step:
+                    pid = proc.pid if launcher == "python" else _worker_pid(proc.pid, sigterm_rank)
+                    if pid is not None:
+                        os.kill(pid, signal.SIGTERM)
+                        sigterm_rank = None
+            returncode = proc.wait()
+        finally:
+            timer.cancel()
+        err.seek(0)
+        stderr = err.read()
+    seconds = time.monotonic() - start
+    stdout = "".join(lines)
+    if fired.is_set():
+        raise TimeoutError(f"{' '.join(cmd)} ran past {timeout_s} s and was killed:\n{stdout}")
+    return TrainRun(returncode, stdout, stderr, seconds, parse_log(stdout))
+
+
+def parse_log(text: str) -> list[Event]:
+    """The trainer's ``[rankR] ...`` lines as events, in order; other lines are ignored."""
+    events: list[Event] = []
+    attempt: dict[int, int] = {}
+    for line in text.splitlines():
+        m = _LINE.match(line.strip())
+        if not m:
+            continue
+        rank, message = int(m.group(1)), m.group(2)
+        for kind, pattern in _PATTERNS.items():
+            found = pattern.search(message)
+            if not found:
+                continue
+            if kind == "start":
+                attempt[rank] = int(found.group(2))
+            groups = found.groups()
+            step = None if kind in ("start", "fresh") else int(groups[0])
+            value = float(groups[1]) if kind == "loss" else None
+            events.append(Event(attempt.get(rank, 0), rank, kind, 0 if kind == "fresh" else step,
+                                value))  # fmt: skip
+            break
+    return events
+
+
+def attempts(events: Sequence[Event]) -> list[dict[str, Any]]:
+    """One summary per attempt: where it started, rank 0's losses by step, the steps saved,
+    and how it ended (``"fault on rank R at step S"``, ``"SIGTERM after step S"``, ``"done"``)."""
+    out: dict[int, dict[str, Any]] = {}
+    for e in events:
+        a = out.setdefault(e.attempt, {"attempt": e.attempt, "resumed_from": None, "losses": {},
+                                       "saved": [], "end": "killed"})  # fmt: skip
+        if e.kind in ("fresh", "resume") and e.rank == 0:
+            a["resumed_from"] = e.step
+        elif e.kind == "loss":
+            a["losses"][e.step] = e.value
+        elif e.kind == "save":
+            a["saved"].append(e.step)
+        elif e.kind == "fault":
+            a["end"] = f"fault on rank {e.rank} at step {e.step}"
+        elif e.kind == "stop" and e.rank == 0:
+            a["end"] = f"SIGTERM after step {e.step}"
+        elif e.kind == "done" and a["end"] == "killed":
+            a["end"] = f"done at step {e.step}"
+    return [out[k] for k in sorted(out)]
+
+
+def same_weights(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Whether two ``--final-weights`` files hold the same keys and bit-identical tensors."""
+    wa, wb = safe_load(a), safe_load(b)
+    return list(wa) == list(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def plot_attempts(summary: Sequence[dict[str, Any]], ax: Any = None) -> Any:
+    """One row per attempt: the steps it trained, its saves (dots) and how it ended."""
+    import matplotlib.pyplot as plt
+
+    ax = ax if ax is not None else plt.subplots(figsize=(8, 0.6 + 0.5 * len(summary)))[1]
+    for row, a in enumerate(summary):
+        first = (a["resumed_from"] or 0) + 1
+        last = max(a["losses"], default=first - 1)
+        ax.barh(row, last - first + 1, left=first - 0.5, height=0.5, color="C0", alpha=0.6)
+        ax.plot(a["saved"], [row] * len(a["saved"]), "o", color="C2", label="_")
+        if a["end"].startswith("fault"):
+            ax.plot(int(a["end"].rsplit(" ", 1)[1]), row, "x", color="C3", ms=12, mew=3)
+        ax.text(last + 0.7, row, a["end"], va="center", fontsize=8)
+    ax.set_yticks(range(len(summary)), [f"attempt {a['attempt']}" for a in summary])
+    ax.invert_yaxis()
+    ax.set_xlabel("step (dots: checkpoints saved)")
+    return ax

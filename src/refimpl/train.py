@@ -1,0 +1,309 @@
+"""Chapter 10: a trainer that can be killed at any moment and finishes as if it never was.
+
+Run it alone (a world of one) or as N processes that torchrun restarts when one dies::
+
+    python -m refimpl.train --steps 20 --save-every 5 --ckpt-dir ckpt --final-weights w.pt
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 \\
+        --max-restarts=2 -m refimpl.train --steps 20 --save-every 5 --ckpt-dir ckpt \\
+        --final-weights w.pt --fail-at-step 8
+
+The restart loop is torchrun's: when a worker exits non-zero, its agent SIGTERMs the others
+(SIGKILL 30 s later), and starts all N again, using up one of ``--max-restarts``. So start-up
+*is* recovery: every start calls `load_latest` and continues from the newest checkpoint that
+verifies, restoring what an exact resume needs (weights, optimizer, sampler position, every
+rank's RNG, the step). Running the same command again is always safe: a finished run finds its
+last step and only rewrites the final weights.
+
+SIGTERM (a preemption: SLURM's ``--signal``, Kubernetes before its SIGKILL) finishes the current
+step, saves it and exits 0. The stop flag rides on the per-step loss all-reduce, so a signal to
+any one rank stops every rank after the same step.
+
+Why the variable: torchrun (torch 2.13) keeps one TCPStore for every attempt, and a restarted
+worker's ``init_process_group`` can read a dead worker's address from it, so the restart fails
+("Connection refused") or hangs until the group timeout (pytorch/pytorch#135712; reproduced
+here with gloo). With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` each attempt gets a fresh store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from refimpl.atomic import atomic_save, atomic_write_bytes
+from refimpl.checkpoint import load_latest, save_checkpoint
+from refimpl.data import ResumableSampler
+from refimpl.launch import init_from_env
+from refimpl.state import capture_rng, capture_state, restore_state, unwrap_state_dict
+from refimpl.sync import barrier_safe, main_process_first
+
+__all__ = ["FAULT_MARKER", "main", "make_data", "make_model", "parse_args"]
+
+FAULT_MARKER = "fault_injected_at_step_{step}"
+"""Name of the file `--fail-at-step` leaves in the checkpoint directory: the crash fires once."""
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line of ``python -m refimpl.train`` (see ``--help``)."""
+    p = argparse.ArgumentParser(prog="python -m refimpl.train", description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps in all")
+    p.add_argument("--save-every", type=int, default=5, help="checkpoint every N steps")
+    p.add_argument("--keep-last", type=int, default=3, help="committed checkpoints to keep")
+    p.add_argument("--ckpt-dir", default="ckpt", help="where step_N checkpoints go")
+    p.add_argument("--final-weights", default=None, help="write the weights here at the end")
+    p.add_argument("--seed", type=int, default=0, help="weights, data, sample order, dropout")
+    p.add_argument("--batch-size", type=int, default=8, help="samples per rank per step")
+    p.add_argument("--samples", type=int, default=256, help="size of the synthetic dataset")
+    p.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
+    p.add_argument("--dropout", type=float, default=0.1, help="makes the RNG part of the state")
+    p.add_argument("--pg-timeout", type=float, default=60.0, help="collective timeout, seconds")
+    p.add_argument("--save-timeout", type=float, default=600.0, help="wait for rank 0's save")
+    p.add_argument("--log-every", type=int, default=1, help="rank 0 logs the loss every N steps")
+    p.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
+                   help="tqdm bar on rank 0 (auto: when stderr is a terminal)")  # fmt: skip
+    fault = p.add_argument_group("fault injection and debugging (chapter 10's demos)")
+    fault.add_argument("--fail-at-step", type=int, default=None,
+                       help="one rank dies (os._exit(1)) at the start of step S, once")  # fmt: skip
+    fault.add_argument("--fail-rank", type=int, default=-1, help="which rank (-1: the last)")
+    fault.add_argument("--step-sleep", type=float, default=0.0,
+                       help="sleep after each step (time to send a signal)")  # fmt: skip
+    fault.add_argument("--no-restore", action="append", default=[],
+                       choices=("rng", "data", "optimizer"),
+                       help="resume WITHOUT this part of the state: what breaks")  # fmt: skip
+    # --sharded: chapter 8's DCP checkpoints (refimpl.sharded, every rank writes its shard)
+    # will be wired here and in _save/_load; until then rank 0 writes the whole state.
+    args = p.parse_args(argv)
+    if args.steps < 0 or args.save_every < 1 or args.batch_size < 1 or args.log_every < 1:
+        p.error("--steps must be >= 0; --save-every, --batch-size and --log-every >= 1")
+    return args
+
+
+def make_model(seed: int, dropout: float = 0.1) -> torch.nn.Module:
+    """The MLP that is trained: the same initial weights for a given seed, on every rank."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(dropout),
+        torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1),
+    )  # fmt: skip
+
+
+def make_data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deterministic regression dataset: ``n`` inputs of 16 features and noisy targets."""
+    g = torch.Generator().manual_seed(seed + 12345)
+    x = torch.randn(n, 16, generator=g)
+    return x, torch.sin(x[:, :4].sum(1, keepdim=True)) + 0.1 * torch.randn(n, 1, generator=g)
+
+
+def _batches(sampler: ResumableSampler) -> Iterator[list[int]]:
+    """This rank's batches, forever: epoch after epoch, starting where the sampler stands."""
+    while True:
+        it = iter(sampler)
+        while len(batch := list(itertools.islice(it, sampler.batch_size))) == sampler.batch_size:
+            yield batch
+        sampler.set_epoch(sampler.epoch + 1)
+
+
+class _Log:
+    """``[rankR] ...`` lines on stdout, each one ``write`` and flushed at once. Flushed: a rank
+    that dies (``os._exit``, SIGKILL) loses what sits in Python's buffer, block-sized for a pipe
+    or a file. One write: torchrun starts workers with ``python -u``, where ``print`` makes two
+    (the text, then the newline) and the lines of ranks sharing a log get spliced together."""
+
+    def __init__(self, rank: int, bar: Any = None) -> None:
+        self.rank, self.bar = rank, bar
+
+    def __call__(self, message: str) -> None:
+        line = f"[rank{self.rank}] {message}\n"
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stdout, end="")  # above the bar, not through it
+        else:
+            sys.stdout.write(line)
+        sys.stdout.flush()
+
+
+class _StopOnSigterm:
+    """Turn SIGTERM into a flag the training loop reads between steps.
+
+    The handler only sets the flag: Python runs it between bytecodes, possibly in the middle
+    of a print or a save, so doing the work there would be unsafe. The previous handler is put
+    back on exit, since `main` also runs inside other programs (`refimpl.launch.spawn`).
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.requested = True
+
+    def __enter__(self) -> _StopOnSigterm:
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
+
+
+def _inject_fault(ckpt_dir: str, step: int, log: _Log) -> None:
+    """Die at ``step`` unless this fault already fired; the marker makes the retry survive."""
+    marker = os.path.join(ckpt_dir, FAULT_MARKER.format(step=step))
+    if os.path.exists(marker):
+        return
+    os.makedirs(ckpt_dir, exist_ok=True)
+    atomic_write_bytes(b"", marker)  # before dying: the restarted worker must not die again
+    log(f"injected fault: exiting with code 1 at the start of step {step}")
+    os._exit(1)  # no cleanup, no exception handlers: as abrupt as a segfault or the OOM killer
+
+
+def _save(args: argparse.Namespace, ddp: torch.nn.Module, opt: torch.optim.Optimizer,
+          sampler: ResumableSampler, step: int, log: _Log) -> None:  # fmt: skip
+    """Every rank captures its RNG, rank 0 writes the checkpoint, the others wait for it."""
+    world = dist.get_world_size()
+    rngs: list[Any] = [None] * world
+    dist.all_gather_object(rngs, capture_rng())  # each rank's dropout stream differs: keep all
+    state = capture_state(ddp, opt, sampler_state=sampler.state_dict(), rng=rngs,
+                          epoch=sampler.epoch, step=step, world_size=world)  # fmt: skip
+    # The other ranks wait here (not in the next step's all-reduce, under the training
+    # timeout) and raise at once if rank 0's save fails: chapter 4.
+    with main_process_first(timeout_s=args.save_timeout if world > 1 else None) as is_main:
+        if is_main:
+            path = save_checkpoint(args.ckpt_dir, state, step, keep_last=args.keep_last)
+            log(f"saved {path.name}")
+
+
+def _load(args: argparse.Namespace, ddp: torch.nn.Module, opt: torch.optim.Optimizer,
+          sampler: ResumableSampler, device: torch.device, log: _Log) -> int:  # fmt: skip
+    """Restore the newest checkpoint on every rank; return its step (0 without one)."""
+    found = load_latest(args.ckpt_dir, map_location=device,
+                        on_skip=lambda d, why: log(f"skipped {d.name}: {why}"))  # fmt: skip
+    # Every rank reads the directory itself; on nodes without a shared filesystem (or with one
+    # that lags) they can see different steps, and would then silently train different models.
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, None if found is None else found[0])
+    if len(set(seen)) > 1:
+        raise RuntimeError(
+            f"rank {dist.get_rank()}: ranks found different latest checkpoints in "
+            f"{args.ckpt_dir} (by rank: {seen}). Put --ckpt-dir on a filesystem every node sees."
+        )
+    if found is None:
+        log(f"no checkpoint in {args.ckpt_dir}: starting at step 0")
+        return 0
+    state = dict(found[1])
+    if "rng" in args.no_restore:
+        state["rng"] = None
+    optimizer = None if "optimizer" in args.no_restore else opt
+    info = restore_state(state, ddp, optimizer, rank=dist.get_rank(),
+                         world_size=dist.get_world_size())  # fmt: skip
+    if "data" not in args.no_restore:
+        sampler.load_state_dict(info["sampler"])
+    if info["world_size"] != dist.get_world_size():
+        log(f"checkpoint is from {info['world_size']} ranks: RNG streams start afresh")
+    without = f" WITHOUT {'+'.join(args.no_restore)}" if args.no_restore else ""
+    log(f"resumed from step_{info['step']}{without}")
+    return int(info["step"])
+
+
+def _shared_store_warning() -> str | None:
+    """What to say when torchrun may restart us on the store it shares across attempts."""
+    restartable = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not restartable:
+        return None
+    return ("warning: torchrun shares one store across restarts, so a restart can read dead "
+            "workers' addresses and fail or hang at init (pytorch#135712); start torchrun "
+            "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")  # fmt: skip
+
+
+def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device, log: _Log) -> int:
+    """The loop: build, restore, train, save; return 0 when done or stopped by SIGTERM."""
+    if world > 1:
+        barrier_safe(timeout_s=args.save_timeout)  # creates the save-wait group, once, now
+    ddp = DDP(make_model(args.seed, args.dropout).to(device),
+              device_ids=[device] if device.type == "cuda" else None)  # fmt: skip
+    opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
+    torch.manual_seed(args.seed + 1000 * (rank + 1))  # this rank's dropout stream
+    sampler = ResumableSampler(args.samples, batch_size=args.batch_size, rank=rank,
+                               world_size=world, seed=args.seed)  # fmt: skip
+    x, y = (t.to(device) for t in make_data(args.samples, args.seed))
+    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    log(f"start: world {world}, restart {restarts}, device {device}")
+    step = _load(args, ddp, opt, sampler, device, log)
+    if log.bar is not None:
+        log.bar.update(step)
+    batches = _batches(sampler)
+    stats = torch.zeros(2, device=device)
+    with _StopOnSigterm() as sigterm:
+        while step < args.steps:
+            if args.fail_at_step == step + 1 and rank == args.fail_rank % world:
+                _inject_fault(args.ckpt_dir, step + 1, log)
+            idx = torch.tensor(next(batches), device=device)
+            loss = torch.nn.functional.mse_loss(ddp(x[idx]), y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()  # type: ignore[no-untyped-call]
+            opt.step()
+            step += 1
+            # One all-reduce carries the loss and the stop flag: every rank learns that some
+            # rank got SIGTERM after the same step, so they all stop together.
+            stats[0], stats[1] = loss.detach(), float(sigterm.requested)
+            dist.all_reduce(stats)
+            stop = bool(stats[1].item() > 0)
+            if rank == 0 and (step % args.log_every == 0 or stop or step == args.steps):
+                log(f"step {step} loss {stats[0].item() / world:.6f}")
+            if log.bar is not None:
+                log.bar.update(1)
+            if step % args.save_every == 0 or stop or step == args.steps:
+                _save(args, ddp, opt, sampler, step, log)
+            if stop:
+                log(f"SIGTERM: stopped after step {step}, checkpoint saved; exit 0")
+                return 0
+            time.sleep(args.step_sleep)
+    if args.final_weights and rank == 0:
+        atomic_save(unwrap_state_dict(ddp), args.final_weights)
+        log(f"final weights at step {step} written")
+    barrier_safe()  # nobody leaves (and tears the group down) before rank 0 has written
+    log(f"done: {step} steps")
+    return 0
+
+
+@record  # under torchrun: an exception's traceback goes into the failure summary
+def main(argv: Sequence[str] | None = None) -> int:
+    """Train as ``argv`` says (see `parse_args`); return 0 when done or stopped by SIGTERM.
+
+    Runs under torchrun, alone (``python -m refimpl.train``: a world of one), or as a worker of
+    `refimpl.launch.spawn` (``spawn(main, 2, ["--steps", "10"])``), whose group it reuses.
+    """
+    args = parse_args(argv)
+    owns_group = not dist.is_initialized()
+    warning = _shared_store_warning()
+    if warning and os.environ.get("RANK") == "0":
+        _Log(0)(warning)  # now: if it bites, init is where this process will hang
+    info = init_from_env(timeout_s=args.pg_timeout)
+    bar = None
+    if info.rank == 0 and (
+        args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
+    ):
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.steps, desc="train", file=sys.stderr, dynamic_ncols=True)
+    try:
+        code = _train(args, info.rank, info.world_size, info.device, _Log(info.rank, bar))
+    finally:
+        if bar is not None:
+            bar.close()
+    if owns_group:  # only after a clean finish: tearing down a broken NCCL group can hang
+        dist.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""Chapter 10: `refimpl.train` killed under torchrun, preempted by SIGTERM, run alone.
+
+The claim each test checks is the book's: a run that loses a worker (or gets SIGTERM) and is
+restarted ends with weights bit-identical (``torch.equal`` on every tensor) to a run that was
+never interrupted, and a resume that leaves out part of the state (RNG, data position,
+optimizer) does not. The trainer runs in subprocesses exactly as a reader starts it, with
+``PYTHONUNBUFFERED`` removed (`run_train` does that), so the log lines checked here are the
+ones a job's log file would hold. 12 steps of a small MLP; the dataset is 4 global batches, so
+the checkpoints at step 4 and 8 sit on epoch boundaries.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from refimpl.checkpoint import list_checkpoints
+from refimpl.demos.train import (
+    Event,
+    TrainRun,
+    attempts,
+    parse_log,
+    plot_attempts,
+    run_train,
+    same_weights,
+    train_command,
+)
+from refimpl.launch import spawn
+from refimpl.train import FAULT_MARKER, _shared_store_warning, main, parse_args
+
+ARGS = ["--steps", "12", "--save-every", "4", "--samples", "64", "--seed", "3"]
+
+
+def _args(d: Path, *extra: str) -> list[str]:
+    return [*ARGS, "--ckpt-dir", str(d / "ckpt"), "--final-weights", str(d / "w.pt"), *extra]
+
+
+def _ok(run: TrainRun) -> TrainRun:
+    assert run.returncode == 0, f"exit {run.returncode}\n{run.stdout}\n{run.stderr[-4000:]}"
+    return run
+
+
+def _latest(ckpt: Path) -> int:
+    return list_checkpoints(ckpt)[-1][0]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, TrainRun]:
+    """An uninterrupted torchrun run on 2 ranks: the weights every other run must match."""
+    d = tmp_path_factory.mktemp("reference")
+    return d / "w.pt", _ok(run_train(_args(d), timeout_s=100))
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, TrainRun]:
+    """A torchrun run whose rank 1 (only) gets SIGTERM once rank 0 has logged step 5."""
+    d = tmp_path_factory.mktemp("preempted")
+    run = run_train(_args(d, "--step-sleep", "0.3"), sigterm_rank=1, sigterm_after_step=5,
+                    timeout_s=100)  # fmt: skip
+    return d / "ckpt", run
+
+
+@pytest.mark.timeout(170)
+def test_torchrun_restarts_after_a_killed_worker_and_ends_bit_identical(
+    reference: tuple[Path, TrainRun], tmp_path: Path
+) -> None:
+    run = _ok(run_train(_args(tmp_path, "--fail-at-step", "7"), timeout_s=100))
+    summary = attempts(run.events)
+    assert [a["end"] for a in summary] == ["fault on rank 1 at step 7", "done at step 12"]
+    assert [a["resumed_from"] for a in summary] == [0, 4]  # torchrun's restart count: 0, then 1
+    # The dying rank's last line is there although it left by os._exit with stdout a pipe,
+    # and lines of the two ranks never mix (each is one write, flushed at once).
+    assert run.stdout.count("[rank1] injected fault") == 1
+    assert all(line.startswith(("[rank0] ", "[rank1] ")) for line in run.stdout.splitlines())
+    assert (tmp_path / "ckpt" / FAULT_MARKER.format(step=7)).exists()
+    # Steps 5 and 6 were trained twice: the replay logged the very same losses, and every
+    # loss equals the uninterrupted run's.
+    first, second = summary[0]["losses"], summary[1]["losses"]
+    assert {s: first[s] for s in (5, 6)} == {s: second[s] for s in (5, 6)}
+    assert attempts(reference[1].events)[0]["losses"] == {**first, **second}
+    assert same_weights(reference[0], tmp_path / "w.pt")
+
+
+@pytest.mark.timeout(170)
+def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_and_saves_it(
+    preempted: tuple[Path, TrainRun],
+) -> None:
+    ckpt, run = _ok(preempted[1]) and preempted
+    stops = [e for e in run.events if e.kind == "stop"]
+    assert sorted(e.rank for e in stops) == [0, 1] and len({e.step for e in stops}) == 1
+    step = stops[0].step
+    assert step is not None and 5 <= step < 12
+    assert _latest(ckpt) == step  # the step it stopped at, even off the --save-every grid
+    assert not any(e.kind in ("done", "final") for e in run.events)
+
+
+@pytest.mark.timeout(170)
+def test_resume_after_sigterm_is_bit_identical_under_spawn(
+    reference: tuple[Path, TrainRun], preempted: tuple[Path, TrainRun], tmp_path: Path
+) -> None:
+    """The preempted run continued by `refimpl.launch.spawn` (the notebook's launcher)."""
+    shutil.copytree(preempted[0], tmp_path / "ckpt")
+    assert spawn(main, 2, _args(tmp_path), timeout_s=60) == [0, 0]
+    assert same_weights(reference[0], tmp_path / "w.pt")
+
+
+@pytest.mark.timeout(170)
+@pytest.mark.parametrize("forget", ["rng", "data", "optimizer"])
+def test_negative_control_a_resume_that_forgets_state_ends_elsewhere(
+    forget: str,
+    reference: tuple[Path, TrainRun],
+    preempted: tuple[Path, TrainRun],
+    tmp_path: Path,
+) -> None:
+    shutil.copytree(preempted[0], tmp_path / "ckpt")
+    assert spawn(main, 2, _args(tmp_path, "--no-restore", forget), timeout_s=60) == [0, 0]
+    assert not same_weights(reference[0], tmp_path / "w.pt")
+
+
+@pytest.mark.timeout(170)
+def test_world_of_one_with_plain_python_sigterm_resume_and_rerun(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    _ok(run_train(_args(full), launcher="python", timeout_s=60))
+    stopped = _ok(run_train(_args(cut, "--step-sleep", "0.3"), launcher="python",
+                            sigterm_rank=0, sigterm_after_step=5, timeout_s=60))  # fmt: skip
+    step = next(e.step for e in stopped.events if e.kind == "stop")
+    assert step is not None and _latest(cut / "ckpt") == step
+    assert not (cut / "w.pt").exists()
+    resumed = _ok(run_train(_args(cut), launcher="python", timeout_s=60))
+    assert attempts(resumed.events)[0]["resumed_from"] == step
+    assert same_weights(full / "w.pt", cut / "w.pt")
+    # Starting a finished run again is harmless: it finds step 12 and trains nothing (under
+    # spawn, which is quicker to start; no arithmetic happens, so threads cannot matter).
+    (cut / "w.pt").unlink()
+    assert spawn(main, 1, _args(cut), timeout_s=60, rank_output="show") == [0]
+    out = capsys.readouterr().out
+    assert "resumed from step_12" in out and " loss " not in out
+    assert same_weights(full / "w.pt", cut / "w.pt")
+
+
+@pytest.mark.timeout(60)
+def test_a_corrupt_latest_checkpoint_is_skipped_and_its_steps_retrained(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--steps", "8", "--save-every", "4", "--samples", "64", "--ckpt-dir", str(tmp_path)]
+    assert spawn(main, 1, args, timeout_s=60) == [0]
+    weights = tmp_path / "step_00000008" / "model.pt"
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 0xFF  # one flipped bit pattern, same size: only the digest can tell
+    weights.write_bytes(bytes(data))
+    assert spawn(main, 1, args, timeout_s=60, rank_output="show") == [0]
+    out = capsys.readouterr().out
+    assert "skipped step_00000008: " in out and "resumed from step_4" in out
+    assert "step 5 loss" in out and _latest(tmp_path) == 8
+
+
+@pytest.mark.timeout(10)
+def test_warns_about_torchruns_shared_store_only_when_it_can_restart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in (_shared_store_warning() or "")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    assert _shared_store_warning() is None
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # the variable is set
+    assert _shared_store_warning() is None
+
+
+@pytest.mark.timeout(10)
+def test_parse_args_refuses_nonsense() -> None:
+    assert parse_args([]).save_every == 5
+    with pytest.raises(SystemExit):
+        parse_args(["--save-every", "0"])
+    with pytest.raises(SystemExit):
+        parse_args(["--no-restore", "weights"])
+    assert train_command(["--steps", "3"], launcher="python")[-3:] == [
+        "refimpl.train",
+        "--steps",
+        "3",
+    ]
+    with pytest.raises(ValueError, match="launcher"):
+        train_command([], launcher="mpirun")
+
+
+LOG = """\
+W1123 torchrun noise
+[rank1] start: world 2, restart 0, device cpu
+[rank0] start: world 2, restart 0, device cpu
+[rank0] no checkpoint in ckpt: starting at step 0
+[rank0] step 1 loss 0.5
+[rank0] step 2 loss 0.25
+[rank0] saved step_00000002
+[rank1] injected fault: exiting with code 1 at the start of step 3
+[rank0] start: world 2, restart 1, device cpu
+[rank1] start: world 2, restart 1, device cpu
+[rank0] resumed from step_2
+[rank0] step 3 loss 0.125
+[rank0] SIGTERM: stopped after step 3, checkpoint saved; exit 0
+"""
+
+
+@pytest.mark.timeout(30)
+def test_parse_log_and_attempts() -> None:
+    events = parse_log(LOG)
+    assert events[0] == Event(0, 1, "start", None)
+    assert Event(0, 1, "fault", 3) in events and Event(1, 0, "loss", 3, 0.125) in events
+    assert attempts(events) == [
+        {"attempt": 0, "resumed_from": 0, "losses": {1: 0.5, 2: 0.25}, "saved": [2],
+         "end": "fault on rank 1 at step 3"},
+        {"attempt": 1, "resumed_from": 2, "losses": {3: 0.125}, "saved": [],
+         "end": "SIGTERM after step 3"},
+    ]  # fmt: skip
+    import matplotlib
+
+    matplotlib.use("Agg")
+    ax = plot_attempts(attempts(events))
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["attempt 0", "attempt 1"]
