@@ -26,8 +26,9 @@ def single_rank_helpers() -> tuple[int, bool]:
 
 
 def hammer_one_file(path: str, rounds: int) -> int:
-    """Every rank atomically saves its own state to the SAME path, over and over: the seed's
-    "save ahead of time" point, where every rank saved. Returns the rounds done."""
+    """Every rank atomically saves its own state to the SAME path, over and over: the VRT
+    trainer's "save ahead of time" point (chapter 4), where every rank saved. Returns the
+    rounds done."""
     import torch
 
     from refimpl.atomic import atomic_save

@@ -13,6 +13,7 @@ import pytest
 from refimpl.demos.sync import (
     Timeline,
     barrier_cost_worker,
+    late_barrier_worker,
     main_process_first_worker,
     plot_timeline,
     read_timeline,
@@ -68,6 +69,26 @@ def test_barrier_safe_with_a_save_budget_fixes_it(tmp_path: Path) -> None:
         (barrier,) = _spans(tmp_path, rank, "barrier")
         assert barrier["end"] >= save_end and not barrier["error"]
         assert len(_spans(tmp_path, rank, "train step")) == 3  # training went on
+
+
+def test_dist_barrier_with_its_own_timeout_fixes_it_too(tmp_path: Path) -> None:
+    spawn(
+        train_and_save_worker, 3, str(tmp_path), "timeout", 2.0, 3, 30.0,
+        timeout_s=40, pg_timeout_s=1,
+    )  # fmt: skip
+    save_end = _spans(tmp_path, 0, "save")[0]["end"]
+    for rank in (1, 2):
+        (barrier,) = _spans(tmp_path, rank, "barrier")
+        assert barrier["end"] >= save_end and not barrier["error"]
+
+
+def test_barrier_timeout_overrides_the_group_timeout_on_gloo() -> None:
+    # The late rank is 2 s late; the group's timeout is 1 s; the barrier's own is 10 s.
+    passed = spawn(late_barrier_worker, 2, 1, 2.0, 10.0, timeout_s=40, pg_timeout_s=1)
+    assert [outcome for outcome, _ in passed] == ["passed", "passed"]
+    assert passed[0][1] >= 1.5  # rank 0 really waited past the group's timeout
+    failed = spawn(late_barrier_worker, 2, 1, 2.0, None, timeout_s=40, pg_timeout_s=1)
+    assert failed[0][0].startswith("Timed out waiting 1000ms")
 
 
 def test_a_barrier_only_rank0_calls_is_named_by_monitored_barrier(tmp_path: Path) -> None:
@@ -130,6 +151,8 @@ def test_short_error_is_reproducible() -> None:
     )
     assert short_error(err) == "Timed out waiting 2000ms for send/recv operation"
     assert short_error(None) == ""
+    peer = RuntimeError("[/src/gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:41234. Hi")
+    assert short_error(peer) == "Connection closed by peer. Hi"
 
 
 def test_timeline_is_readable_and_plottable(tmp_path: Path) -> None:

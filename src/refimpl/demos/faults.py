@@ -11,6 +11,8 @@ checks what is on disk the way the next run would read it. Three writers are com
 After every kill the loaded state must be complete (it loads), equal to a state some save
 wrote, and no older than the last save that *returned*. `inject_io_error` makes the writer
 fail with ENOSPC / EIO instead. Run ``python -m refimpl.demos.faults --kills 500`` for the long run.
+`flip_bit_in_record` damages one tensor inside a ``torch.save`` file, and
+`rename_like_an_object_store` "renames" a directory the way object stores do: copy by copy.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ import json
 import multiprocessing as mp
 import os
 import random
+import shutil
 import stat
+import struct
 import sys
 import time
+import zipfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,10 +44,12 @@ from refimpl.checkpoint import load_latest, save_checkpoint
 __all__ = [
     "MODES",
     "KillReport",
+    "flip_bit_in_record",
     "inject_io_error",
     "kill_trials",
     "main",
     "make_state",
+    "rename_like_an_object_store",
     "trace_io",
 ]
 
@@ -269,6 +276,43 @@ def trace_io() -> Iterator[list[str]]:
         yield events
     finally:
         atomic._open_temp, atomic._fsync, atomic._replace = real_open, real_fsync, real_replace
+
+
+def flip_bit_in_record(path: str | os.PathLike[str], record: str, offset: int, bit: int = 0) -> str:
+    """Flip one bit of byte ``offset`` in the zip record ``record`` (say ``"data/0"``, the first
+    tensor's bytes) of the ``torch.save`` file ``path``; return the record's full name.
+
+    The zip index and the record's stored CRC-32 are left alone, as a failing disk would.
+    """
+    with zipfile.ZipFile(path) as zf:
+        info = next(i for i in zf.infolist() if i.filename.endswith("/" + record))
+    if info.compress_type != zipfile.ZIP_STORED or not 0 <= offset < info.file_size:
+        raise ValueError(f"{info.filename}: not stored uncompressed, or offset out of range")
+    data = bytearray(Path(path).read_bytes())
+    head = info.header_offset
+    name_len, extra_len = struct.unpack("<HH", data[head + 26 : head + 30])
+    data[head + 30 + name_len + extra_len + offset] ^= 1 << bit  # past the local header
+    Path(path).write_bytes(bytes(data))
+    return info.filename
+
+
+def rename_like_an_object_store(
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], *, crash_after: int | None = None
+) -> list[str]:
+    """ "Rename" directory ``src`` to ``dst`` as an object store must: it has no rename, so
+    every object is copied, in listing order (sorted by name), and the sources are deleted
+    after. ``crash_after=k`` stops after ``k`` copies, as a crash would. Returns the names
+    copied."""
+    names = sorted(p.relative_to(src).as_posix() for p in Path(src).rglob("*") if p.is_file())
+    copied: list[str] = []
+    for name in names:
+        if crash_after is not None and len(copied) >= crash_after:
+            return copied
+        Path(dst, name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(Path(src, name), Path(dst, name))
+        copied.append(name)
+    shutil.rmtree(src)
+    return copied
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,12 +2,14 @@
 
 The ``*_worker`` functions run under `refimpl.launch.spawn`; each rank records what it did in
 a `Timeline` (one JSON line per phase, flushed as it ends), which survives the job failing,
-so the notebook can draw what every rank was doing when the job died.
+so the notebook can draw what every rank was doing when the job died. The hang toolbox of
+the same chapter (how long a peer waits, looking inside a hung rank) is `refimpl.demos.hangs`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import re
@@ -24,6 +26,7 @@ from refimpl.sync import barrier_safe, main_process_first
 __all__ = [
     "Timeline",
     "barrier_cost_worker",
+    "late_barrier_worker",
     "main_process_first_worker",
     "plot_timeline",
     "read_timeline",
@@ -124,10 +127,12 @@ def short_error(exc: BaseException | None) -> str:
     gloo starts its messages with ``[/path/file.cc:78]``; that prefix is dropped.
 
     gloo says "send" or "recv" depending on which half of an exchange timed out first, a
-    race; both become "send/recv" so that printed errors are reproducible.
+    race; both become "send/recv" so that printed errors are reproducible. A peer's
+    address (``[127.0.0.1]:29500``) is dropped too: the port changes every run.
     """
     text = str(exc).strip().splitlines()[0] if exc is not None and str(exc).strip() else ""
     text = text.split("] ", 1)[1] if text.startswith("[/") and "] " in text else text
+    text = re.sub(r" ?\[[0-9a-fA-F.:]+\]:\d+", "", text)
     return re.sub(r"\b(send|recv) operation", "send/recv operation", text)
 
 
@@ -146,14 +151,17 @@ def train_and_save_worker(
     """Worker: DDP steps; rank 0 saves after step 0. ``barrier`` says what the ranks do then.
 
     ``"none"`` (the incident: others run into step 1's all-reduce), ``"plain"`` (the
-    seed's fix: ``dist.barrier()`` after the save, under the group's timeout), ``"safe"``
-    (`barrier_safe` with ``save_timeout_s``) or ``"misplaced"`` (a monitored barrier
-    inside ``if rank == 0``: only rank 0 calls it). Returns seconds spent per phase.
+    first repair: ``dist.barrier()`` after the save, under the group's timeout),
+    ``"timeout"`` (``dist.barrier(timeout=save_timeout_s)``), ``"safe"`` (`barrier_safe`
+    with ``save_timeout_s``) or ``"misplaced"`` (a monitored barrier inside
+    ``if rank == 0``: only rank 0 calls it). Returns seconds spent per phase.
     """
     rank = dist.get_rank()
+    torch.manual_seed(0)  # the same weights on every rank, so DDP's start-up sync is skipped:
+    # its first construction in a process also runs slow lazy imports, and under a loaded
+    # machine a rank still importing would fail the others' short-timeout sync. Line up after.
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64), init_sync=False)
     _line_up()
-    torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if barrier in ("safe", "misplaced"):
         barrier_safe(timeout_s=save_timeout_s)  # start-up: creates the save-barrier group
@@ -178,10 +186,12 @@ def train_and_save_worker(
                 with tl.span("barrier"):
                     barrier_safe(timeout_s=save_timeout_s, monitored=True)
         start = time.monotonic()
-        if barrier in ("plain", "safe"):
+        if barrier in ("plain", "timeout", "safe"):
             with tl.span("barrier"):
                 if barrier == "plain":
                     dist.barrier()  # the group's timeout: the one sized for training steps
+                elif barrier == "timeout":
+                    dist.barrier(timeout=datetime.timedelta(seconds=save_timeout_s))
                 else:
                     barrier_safe(timeout_s=save_timeout_s)
         spent["barrier"] = time.monotonic() - start
@@ -251,3 +261,23 @@ def barrier_cost_worker(
                 (Path(directory) / f"w{mb}_{i}.pt").unlink()  # hundreds of MiB otherwise
         results.append((sorted(saves)[repeats // 2], sorted(totals)[repeats // 2]))
     return results
+
+
+def late_barrier_worker(
+    late_rank: int, late_s: float, timeout_s: float | None
+) -> tuple[str, float]:
+    """Worker: ``late_rank`` reaches ``dist.barrier`` ``late_s`` seconds after the others.
+
+    ``timeout_s`` is the barrier's own ``timeout=`` (None: the group's). Returns this rank's
+    ``("passed" or the error, seconds it waited in the barrier)``.
+    """
+    _line_up()
+    if dist.get_rank() == late_rank:
+        time.sleep(late_s)
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    start = time.monotonic()
+    try:
+        dist.barrier(timeout=timeout)
+    except RuntimeError as exc:  # DistBackendError is a RuntimeError
+        return short_error(exc), time.monotonic() - start
+    return "passed", time.monotonic() - start
