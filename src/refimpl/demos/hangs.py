@@ -3,9 +3,9 @@ costs in connections, and how to look inside a hung rank.
 
 `peer_failure_worker` makes a peer die or carry on without the collective and notes how long
 the waiting rank sat; `gloo_connections_worker` counts the sockets one more gloo group opens;
-`spy_on_a_stuck_job` runs a job with one rank stuck in a read and ``py-spy dump``s every rank
-while it hangs, and `worker_frames` reduces a py-spy or faulthandler dump to the worker's
-frames so a notebook can show (and a test compare) them.
+`spy_on_a_stuck_job` runs a job with one rank stuck in a read and runs ``py-spy dump`` on
+every rank while it hangs, and `worker_frames` reduces a py-spy or faulthandler dump to the
+worker's frames so a notebook can show (and a test compare) them.
 """
 
 from __future__ import annotations
