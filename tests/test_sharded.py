@@ -256,3 +256,19 @@ def test_torn_in_place_overwrite_loads_silently_mixed_and_ours_does_not(tmp_path
         "rank(s) [1]; caught by `except Exception`: True",
         "refimpl load_sharded: step 1, max |diff| vs save A: 0",
     ]
+
+
+def test_extra_tensors_round_trip_and_must_be_plain(tmp_path: Path) -> None:
+    model, opt = _trained()
+    position = torch.tensor([7, 1, 40])
+    save_sharded(tmp_path, model, opt, 7, extra={"trainer": position})
+    back = {"trainer": torch.zeros(3, dtype=torch.int64)}
+    assert load_sharded(tmp_path, *_trained(seed=1), extra=back) == 7
+    assert torch.equal(back["trainer"], position)  # filled in place
+    with pytest.raises(ShardedCheckpointError, match="Missing key"):
+        load_sharded(tmp_path / "step_00000007", *_trained(seed=1), extra={"x": torch.zeros(1)})
+    with pytest.raises(TypeError, match=r"plain torch\.Tensor"):
+        save_sharded(
+            tmp_path, model, opt, 8, extra={"trainer": torch.nn.Parameter(position.float())}
+        )
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("step_")] == ["step_00000007"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +85,7 @@ def save_sharded(
     *,
     keep_last: int | None = 3,
     process_group: dist.ProcessGroup | None = None,
+    extra: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """Save ``model`` and ``optimizer`` as the committed step ``ckpt_dir/step_N``; return it.
 
@@ -96,7 +97,9 @@ def save_sharded(
     failure on any rank (a full disk, a rank that died: the others get an error within the
     process group's timeout, not a hang) raises `ShardedCheckpointError` on every rank that
     is still alive, naming the failed ranks; nothing is published and earlier steps are
-    untouched. Re-saving an existing step swaps the new copy in atomically.
+    untouched. Re-saving an existing step swaps the new copy in atomically. ``extra`` (plain
+    tensors with the same value on every rank: a trainer's step, sampler position) is saved
+    under the top-level key ``"extra"``; `load_sharded` fills it back in.
 
     Example::
 
@@ -104,13 +107,17 @@ def save_sharded(
     """
     step = _as_step(step)
     _check_keep_last(keep_last)
+    extra_state = _plain_tensors(extra) if extra else None  # refused before touching the disk
     group = Group(process_group)
     tmp, final = prepare_step(group, Path(ckpt_dir), step)
     try:
         msd, osd = get_state_dict(model, optimizer)
+        state: dict[str, Any] = {"model": msd, "optim": osd}
+        if extra_state:
+            state["extra"] = extra_state
         with quiet_no_dist(group):
             dcp_save(
-                {"model": msd, "optim": osd},
+                state,
                 storage_writer=FileSystemWriter(tmp, sync_files=True, overwrite=False),
                 **group.dcp_kwargs(),
             )
@@ -169,8 +176,19 @@ def _log_skip(step_dir: Path, reason: str) -> None:
     logger.warning("load_sharded: skipped %s (%s); trying an older step", step_dir.name, reason)
 
 
+def _plain_tensors(extra: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    bad = [k for k, v in extra.items() if type(v) is not torch.Tensor]
+    if bad:
+        raise TypeError(f"extra[{bad[0]!r}] must be a plain torch.Tensor, the same on every rank")
+    return dict(extra)
+
+
 def _load_step(
-    group: Group, step_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+    group: Group,
+    step_dir: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    extra: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Every rank checks ``.metadata``, then DCP loads weights-only and the state is set."""
     try:
@@ -191,6 +209,8 @@ def _load_step(
         else:
             msd, osd = get_state_dict(model, optimizer)
             state = {"model": msd, "optim": osd}
+        if extra is not None:
+            state["extra"] = _plain_tensors(extra)  # DCP copies into these tensors in place
         with quiet_no_dist(group):
             dcp_load(
                 state,
@@ -219,6 +239,7 @@ def load_sharded(
     *,
     process_group: dist.ProcessGroup | None = None,
     on_skip: Callable[[Path, str], None] | None = None,
+    extra: dict[str, torch.Tensor] | None = None,
 ) -> int | None:
     """Load the newest verified step of ``path`` into ``model`` (and ``optimizer``).
 
@@ -231,7 +252,8 @@ def load_sharded(
     step tried); ``set_state_dict`` puts the result in place. The world size may differ
     from the one that saved: DCP reshards. Returns the step loaded, or None when there is
     none (a fresh start). A step that verifies but does not fit the model raises
-    `ShardedCheckpointError`.
+    `ShardedCheckpointError`. ``extra``: tensors shaped like those given to `save_sharded`'s
+    ``extra``, overwritten in place with the saved values.
 
     Example::
 
@@ -252,7 +274,7 @@ def load_sharded(
             logger.info("load_sharded: no verified step in %s: starting fresh", path)
             return None
         try:
-            _load_step(group, Path(step_dir_s), model, optimizer)
+            _load_step(group, Path(step_dir_s), model, optimizer, extra)
             return int(step)
         except ShardedCheckpointError as err:
             if single or not err.unsafe:

@@ -14,6 +14,11 @@ verifies, restoring what an exact resume needs (weights, optimizer, sampler posi
 rank's RNG, the step). Running the same command again is always safe: a finished run finds its
 last step and only rewrites the final weights.
 
+``--sharded`` swaps DDP for FSDP2 and rank 0's file for chapter 8's DCP checkpoints, which
+every rank writes in parallel and a restart at another world size reshards; the step and the
+sampler's position travel in the checkpoint, and dropout is re-seeded from (seed, rank, step)
+instead of saved (`refimpl._train_sharded`).
+
 SIGTERM (a preemption: SLURM's ``--signal``, Kubernetes before its SIGKILL) finishes the current
 step, saves it and exits 0. The stop flag rides on the per-step loss all-reduce, so a signal to
 any one rank stops every rank after the same step.
@@ -41,6 +46,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from refimpl import _train_sharded
 from refimpl.atomic import atomic_save, atomic_write_bytes
 from refimpl.checkpoint import load_latest, save_checkpoint
 from refimpl.data import ResumableSampler
@@ -72,18 +78,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=1, help="rank 0 logs the loss every N steps")
     p.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
                    help="tqdm bar on rank 0 (auto: when stderr is a terminal)")  # fmt: skip
+    p.add_argument("--sharded", action="store_true",
+                   help="FSDP2 and sharded DCP checkpoints: resume at any world size")  # fmt: skip
     fault = p.add_argument_group("fault injection and debugging (chapter 10's demos)")
     fault.add_argument("--fail-at-step", type=int, default=None,
                        help="one rank dies (os._exit(1)) at the start of step S, once")  # fmt: skip
     fault.add_argument("--fail-rank", type=int, default=-1, help="which rank (-1: the last)")
     fault.add_argument("--step-sleep", type=float, default=0.0,
                        help="sleep after each step (time to send a signal)")  # fmt: skip
+    fault.add_argument("--sample-log", default=None,
+                       help="append each step's sample indices to PATH.rankR")  # fmt: skip
     fault.add_argument("--no-restore", action="append", default=[],
                        choices=("rng", "data", "optimizer"),
                        help="resume WITHOUT this part of the state: what breaks")  # fmt: skip
-    # --sharded: chapter 8's DCP checkpoints (refimpl.sharded, every rank writes its shard)
-    # will be wired here and in _save/_load; until then rank 0 writes the whole state.
     args = p.parse_args(argv)
+    if args.sharded and "rng" in args.no_restore:
+        p.error("--sharded saves no RNG state (each step re-seeds dropout): nothing to leave out")
     if args.steps < 0 or args.save_every < 1 or args.batch_size < 1 or args.log_every < 1:
         p.error("--steps must be >= 0; --save-every, --batch-size and --log-every >= 1")
     return args
@@ -169,6 +179,11 @@ def _inject_fault(ckpt_dir: str, step: int, log: _Log) -> None:
 def _save(args: argparse.Namespace, ddp: torch.nn.Module, opt: torch.optim.Optimizer,
           sampler: ResumableSampler, step: int, log: _Log) -> None:  # fmt: skip
     """Every rank captures its RNG, rank 0 writes the checkpoint, the others wait for it."""
+    if args.sharded:  # every rank writes its own shard
+        name = _train_sharded.save(args.ckpt_dir, ddp, opt, sampler, step, args.keep_last)
+        if dist.get_rank() == 0:
+            log(f"saved {name}")
+        return
     world = dist.get_world_size()
     rngs: list[Any] = [None] * world
     dist.all_gather_object(rngs, capture_rng())  # each rank's dropout stream differs: keep all
@@ -185,6 +200,15 @@ def _save(args: argparse.Namespace, ddp: torch.nn.Module, opt: torch.optim.Optim
 def _load(args: argparse.Namespace, ddp: torch.nn.Module, opt: torch.optim.Optimizer,
           sampler: ResumableSampler, device: torch.device, log: _Log) -> int:  # fmt: skip
     """Restore the newest checkpoint on every rank; return its step (0 without one)."""
+    if args.sharded:  # rank 0 picks the step for everyone; DCP reshards to this world size
+        step = _train_sharded.load(
+            args.ckpt_dir, ddp, None if "optimizer" in args.no_restore else opt,
+            None if "data" in args.no_restore else sampler, log,
+        )  # fmt: skip
+        without = f" WITHOUT {'+'.join(args.no_restore)}" if args.no_restore else ""
+        fresh = f"no checkpoint in {args.ckpt_dir}: starting at step 0"
+        log(f"resumed from step_{step}{without}" if step else fresh)
+        return step
     found = load_latest(args.ckpt_dir, map_location=device,
                         on_skip=lambda d, why: log(f"skipped {d.name}: {why}"))  # fmt: skip
     # Every rank reads the directory itself; on nodes without a shared filesystem (or with one
@@ -228,8 +252,12 @@ def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device
     """The loop: build, restore, train, save; return 0 when done or stopped by SIGTERM."""
     if world > 1:
         barrier_safe(timeout_s=args.save_timeout)  # creates the save-wait group, once, now
-    ddp = DDP(make_model(args.seed, args.dropout).to(device),
-              device_ids=[device] if device.type == "cuda" else None)  # fmt: skip
+    ddp: torch.nn.Module
+    if args.sharded:
+        ddp = _train_sharded.shard_model(make_model(args.seed, args.dropout), device)
+    else:
+        ddp = DDP(make_model(args.seed, args.dropout).to(device),
+                  device_ids=[device] if device.type == "cuda" else None)  # fmt: skip
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
     torch.manual_seed(args.seed + 1000 * (rank + 1))  # this rank's dropout stream
     sampler = ResumableSampler(args.samples, batch_size=args.batch_size, rank=rank,
@@ -246,7 +274,13 @@ def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device
         while step < args.steps:
             if args.fail_at_step == step + 1 and rank == args.fail_rank % world:
                 _inject_fault(args.ckpt_dir, step + 1, log)
-            idx = torch.tensor(next(batches), device=device)
+            if args.sharded:
+                _train_sharded.seed_step(args.seed, rank, step + 1)
+            batch = next(batches)
+            if args.sample_log:  # step, epoch, indices: for checking that none is lost or repeated
+                with open(f"{args.sample_log}.rank{rank}", "a") as f:
+                    f.write(f"{step + 1} {sampler.epoch} {' '.join(map(str, batch))}\n")
+            idx = torch.tensor(batch, device=device)
             loss = torch.nn.functional.mse_loss(ddp(x[idx]), y[idx])
             opt.zero_grad(set_to_none=True)
             loss.backward()  # type: ignore[no-untyped-call]
@@ -267,9 +301,11 @@ def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device
                 log(f"SIGTERM: stopped after step {step}, checkpoint saved; exit 0")
                 return 0
             time.sleep(args.step_sleep)
-    if args.final_weights and rank == 0:
-        atomic_save(unwrap_state_dict(ddp), args.final_weights)
-        log(f"final weights at step {step} written")
+    if args.final_weights:
+        weights = _train_sharded.full_weights(ddp) if args.sharded else None  # collective
+        if rank == 0:
+            atomic_save(weights or unwrap_state_dict(ddp), args.final_weights)
+            log(f"final weights at step {step} written")
     barrier_safe()  # nobody leaves (and tears the group down) before rank 0 has written
     log(f"done: {step} steps")
     return 0
