@@ -40,13 +40,14 @@ def _expected(doc: str) -> tuple[str, int, int]:
     nb_path = ROOT / f"{doc}.ipynb"
     if nb_path.exists():
         nb = nbformat.read(nb_path, as_version=4)
-        title = nb.cells[0].source.splitlines()[0].lstrip("# ").strip()
+        title = nb.cells[0].source.splitlines()[0].lstrip("# ").strip().replace("`", "")
         outputs = [o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.outputs]
         figures = sum("image/png" in data for data in outputs)
         widgets = sum("application/vnd.jupyter.widget-view+json" in data for data in outputs)
         return title, figures, widgets
     text = (ROOT / f"{doc}.md").read_text()
-    return text.splitlines()[0].lstrip("# ").strip(), len(re.findall(r"!\[", text)), 0
+    title = text.splitlines()[0].lstrip("# ").strip().replace("`", "")  # code spans render bare
+    return title, len(re.findall(r"!\[", text)), 0
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
