@@ -10,7 +10,14 @@ One concept per module; each matches a chapter of the book:
 - `refimpl.atomic`, `refimpl.checkpoint`: atomic, durable, verified saves; safe loading (chapter 5)
 - `refimpl.state`, `refimpl.data`: the whole training state, and a sampler that resumes
   exactly at any world size (chapter 6)
-- `refimpl.bench`: ``python -m refimpl.bench {allreduce,ddp,save} --out DIR``
+- `refimpl.guard`, `refimpl.metrics`, `refimpl.mixture`: named collectives that catch ranks
+  disagreeing, metrics synced whatever keys each rank holds, the same dataset on every rank
+  at each step (chapter 7)
+- `refimpl.sharded`: committed, verified DCP checkpoints that load at any world size, and
+  async saves (chapters 8-9)
+- `refimpl.train`: ``python -m refimpl.train``, a fault-tolerant trainer for torchrun
+  (chapter 10)
+- `refimpl.bench`: ``python -m refimpl.bench {allreduce,ddp,guard,reshard,save} --out DIR``
 
 `refimpl.demos` holds the book's demos (the workers a chapter's notebook spawns, the fault
 harnesses); the library never imports it.
