@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _sharded_models import fresh, trained
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -37,21 +38,9 @@ from refimpl.sharded import (
 )
 
 
-def _trained(seed: int = 0, steps: int = 2) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = tiny_model(seed)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    train(model, opt, range(1, steps + 1))
-    return model, opt
-
-
-def _fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = tiny_model(5)
-    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
-
-
 @pytest.mark.timeout(60)
 def test_round_trip_layout_pruning_and_plain_dcp_reads_it(tmp_path: Path) -> None:
-    model, opt = _trained()
+    model, opt = trained()
     for step in (1, 2, 3, 4):
         last = save_sharded(tmp_path, model, opt, step, keep_last=2)
     assert last == tmp_path / "step_00000004"
@@ -65,7 +54,7 @@ def test_round_trip_layout_pruning_and_plain_dcp_reads_it(tmp_path: Path) -> Non
     manifest = verify_sharded(last)
     assert manifest["step"] == 4 and set(manifest["files"]) == {".metadata", "__0_0.distcp"}
 
-    target, target_opt = _fresh()
+    target, target_opt = fresh()
     assert load_sharded(tmp_path, target, target_opt) == 4
     assert max_abs_diff(full_state(target, target_opt), full_state(model, opt)) == 0.0
 
@@ -91,7 +80,7 @@ def test_checkpoint_exception_is_a_base_exception_and_becomes_an_exception(tmp_p
     # torch 2.13, torch/distributed/checkpoint/api.py: class CheckpointException(BaseException)
     assert issubclass(CheckpointException, BaseException)
     assert not issubclass(CheckpointException, Exception)
-    model, opt = _trained()
+    model, opt = trained()
     save_sharded(tmp_path, model, opt, 1)
     with failing_writes(0), pytest.raises(Exception) as info:  # a trainer's `except Exception`
         save_sharded(tmp_path, model, opt, 2)
@@ -118,7 +107,7 @@ def test_checkpoint_exception_is_a_base_exception_and_becomes_an_exception(tmp_p
 
 @pytest.mark.timeout(60)
 def test_load_falls_back_past_damaged_steps_and_says_why(tmp_path: Path) -> None:
-    model, opt = _trained()
+    model, opt = trained()
     for step in (1, 2, 3, 4, 5):
         save_sharded(tmp_path, model, opt, step, keep_last=None)
     (tmp_path / "step_00000005" / COMMIT_MARKER).unlink()
@@ -133,7 +122,7 @@ def test_load_falls_back_past_damaged_steps_and_says_why(tmp_path: Path) -> None
     os.rename(tmp_path / "other" / "step_00000009", tmp_path / "step_00000009")
 
     skipped: list[tuple[str, str]] = []
-    target, target_opt = _fresh()
+    target, target_opt = fresh()
     step = load_sharded(
         tmp_path, target, target_opt, on_skip=lambda d, why: skipped.append((d.name, why))
     )
@@ -179,7 +168,7 @@ def test_crafted_pickles_run_under_plain_dcp_and_are_refused_by_load_sharded(
 
 @pytest.mark.timeout(60)
 def test_check_metadata_refuses_paths_outside_the_checkpoint(tmp_path: Path) -> None:
-    model, opt = _trained()
+    model, opt = trained()
     step_dir = save_sharded(tmp_path, model, opt, 1)
     sizes = {"__0_0.distcp": (step_dir / "__0_0.distcp").stat().st_size}
     meta = check_metadata(step_dir / ".metadata", sizes)
@@ -199,7 +188,7 @@ def test_check_metadata_refuses_paths_outside_the_checkpoint(tmp_path: Path) -> 
 
 @pytest.mark.timeout(60)
 def test_consolidate_writes_one_full_weights_only_file(tmp_path: Path) -> None:
-    model, opt = _trained()
+    model, opt = trained()
     step_dir = save_sharded(tmp_path / "ckpt", model, opt, 2)
     out = consolidate(step_dir, tmp_path / "model.pt")
     weights = safe_load(out)
@@ -259,14 +248,14 @@ def test_torn_in_place_overwrite_loads_silently_mixed_and_ours_does_not(tmp_path
 
 
 def test_extra_tensors_round_trip_and_must_be_plain(tmp_path: Path) -> None:
-    model, opt = _trained()
+    model, opt = trained()
     position = torch.tensor([7, 1, 40])
     save_sharded(tmp_path, model, opt, 7, extra={"trainer": position})
     back = {"trainer": torch.zeros(3, dtype=torch.int64)}
-    assert load_sharded(tmp_path, *_trained(seed=1), extra=back) == 7
+    assert load_sharded(tmp_path, *trained(seed=1), extra=back) == 7
     assert torch.equal(back["trainer"], position)  # filled in place
     with pytest.raises(ShardedCheckpointError, match="Missing key"):
-        load_sharded(tmp_path / "step_00000007", *_trained(seed=1), extra={"x": torch.zeros(1)})
+        load_sharded(tmp_path / "step_00000007", *trained(seed=1), extra={"x": torch.zeros(1)})
     with pytest.raises(TypeError, match=r"plain torch\.Tensor"):
         save_sharded(
             tmp_path, model, opt, 8, extra={"trainer": torch.nn.Parameter(position.float())}

@@ -8,25 +8,13 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
+from _sharded_models import fresh, trained
 
 from refimpl.checkpoint import safe_load
-from refimpl.demos.sharded import full_state, max_abs_diff, tiny_model, train
+from refimpl.demos.sharded import full_state, max_abs_diff
 from refimpl.demos.sharded_runs import async_worker, kill_mid_save_demo
 from refimpl.launch import spawn
 from refimpl.sharded import load_sharded, save_sharded
-
-
-def _trained(seed: int = 0, steps: int = 2) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = tiny_model(seed)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    train(model, opt, range(1, steps + 1))
-    return model, opt
-
-
-def _fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = tiny_model(5)
-    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
 @pytest.mark.timeout(90)
@@ -53,7 +41,7 @@ def test_rank_killed_mid_save_errors_fast_and_the_previous_step_loads(
         f"checkpoint directory: {[*leftover, 'step_00000001']}",
         "load_sharded: step 1; max |diff| vs step 1's state: 0",
     ]
-    model, opt = _trained()
+    model, opt = trained()
     save_sharded(tmp_path / "ckpt", model, opt, 2)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
         "step_00000001",
@@ -85,6 +73,6 @@ def test_async_save_snapshots_at_the_call_reuses_buffers_and_commits_after(
         "step_00000002",
         "step_00000006",
     ]
-    model, opt = _fresh()
+    model, opt = fresh()
     assert load_sharded(ckpt / "step_00000002", model, opt) == 2
     assert max_abs_diff(full_state(model, opt), safe_load(ref)) == 0.0

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import async_save
 from torch.distributed.tensor import DTensor
 
-from refimpl._sharded_commit import dcp_failure
+from refimpl._sharded_commit import dcp_errors
 from refimpl._sharded_group import Group, commit_step, discard, prepare_step
 
 
@@ -166,7 +166,8 @@ class AsyncSaver:
         self.wait()
         group = Group(self._pg)
         tmp, final = prepare_step(group, Path(ckpt_dir), step)
-        try:
+        what = f"async save of step {step}"
+        with dcp_errors(final, what, group.rank, on_error=lambda: discard(group, tmp)):
             msd, osd = get_state_dict(model, optimizer)
             upload = async_save(
                 {"model": msd, "optim": osd},
@@ -174,12 +175,6 @@ class AsyncSaver:
                 process_group=self._pg,
                 async_stager=self._stager,
             )
-        except BaseException as exc:
-            discard(group, tmp)
-            failure = dcp_failure(exc, final, f"async save of step {step}", group.rank)
-            if failure is exc:  # a Ctrl-C stays a Ctrl-C
-                raise
-            raise failure from exc
         if not isinstance(upload, Future):  # an AsyncSaveResponse: only with async staging
             raise TypeError(f"dcp.async_save returned {type(upload).__name__}, not a Future")
         future = self._pool.submit(self._finish, group, upload, tmp, final, step, keep_last)
@@ -190,14 +185,9 @@ class AsyncSaver:
     def _finish(
         group: Group, upload: Future[Any], tmp: Path, final: Path, step: int, keep: int | None
     ) -> Path:
-        try:
+        what = f"async save of step {step}"
+        with dcp_errors(final, what, group.rank, on_error=lambda: discard(group, tmp)):
             upload.result()  # every rank's shards written and fsynced, .metadata written
-        except BaseException as exc:
-            discard(group, tmp)
-            failure = dcp_failure(exc, final, f"async save of step {step}", group.rank)
-            if failure is exc:  # a Ctrl-C stays a Ctrl-C
-                raise
-            raise failure from exc
         return commit_step(group, tmp, final, step, keep)
 
     def wait(self) -> Path | None:

@@ -13,7 +13,8 @@ import json
 import os
 import pickle
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,27 @@ def dcp_failure(
     hint = " (another rank died or stopped answering: see its error)" if peer else ""
     message = f"{what} failed on rank {rank}{hint}: {text}. {advice}"
     return ShardedCheckpointError(path, message, rank=rank, failures={rank: text})
+
+
+@contextmanager
+def dcp_errors(
+    path: Path,
+    what: str,
+    rank: int,
+    advice: str = SAVE_ADVICE,
+    on_error: Callable[[], None] | None = None,
+) -> Iterator[None]:
+    """Run DCP work; on any failure call ``on_error`` (a save's clean-up), then raise what
+    `dcp_failure` makes of the error, chained to it (a Ctrl-C stays a Ctrl-C)."""
+    try:
+        yield
+    except BaseException as exc:
+        if on_error is not None:
+            on_error()
+        failure = dcp_failure(exc, path, what, rank, advice)
+        if failure is exc:
+            raise
+        raise failure from exc
 
 
 def own_shards(directory: Path, rank: int) -> list[str]:

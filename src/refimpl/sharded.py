@@ -51,7 +51,7 @@ from refimpl._sharded_commit import (
     WeightsOnlyEmptyPlanner,
     WeightsOnlyLoadPlanner,
     choose_step,
-    dcp_failure,
+    dcp_errors,
     verify_step,
 )
 from refimpl._sharded_group import Group, commit_step, discard, prepare_step, quiet_no_dist
@@ -110,7 +110,8 @@ def save_sharded(
     extra_state = _plain_tensors(extra) if extra else None  # refused before touching the disk
     group = Group(process_group)
     tmp, final = prepare_step(group, Path(ckpt_dir), step)
-    try:
+    what = f"save of step {step}"
+    with dcp_errors(final, what, group.rank, on_error=lambda: discard(group, tmp)):
         msd, osd = get_state_dict(model, optimizer)
         state: dict[str, Any] = {"model": msd, "optim": osd}
         if extra_state:
@@ -121,12 +122,6 @@ def save_sharded(
                 storage_writer=FileSystemWriter(tmp, sync_files=True, overwrite=False),
                 **group.dcp_kwargs(),
             )
-    except BaseException as exc:
-        discard(group, tmp)
-        failure = dcp_failure(exc, final, f"save of step {step}", group.rank)
-        if failure is exc:  # a Ctrl-C stays a Ctrl-C
-            raise
-        raise failure from exc
     return commit_step(group, tmp, final, step, keep_last)
 
 
@@ -203,7 +198,7 @@ def _load_step(
         )
         err.unsafe = True
         raise err
-    try:
+    with dcp_errors(step_dir, f"load of {step_dir.name}", group.rank, LOAD_ADVICE):
         if optimizer is None:
             state: dict[str, Any] = {"model": get_model_state_dict(model)}
         else:
@@ -224,12 +219,6 @@ def _load_step(
             set_state_dict(
                 model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
             )
-    except BaseException as exc:
-        what = f"load of {step_dir.name}"
-        failure = dcp_failure(exc, step_dir, what, group.rank, LOAD_ADVICE)
-        if failure is exc:  # a Ctrl-C stays a Ctrl-C
-            raise
-        raise failure from exc
 
 
 def load_sharded(
@@ -305,19 +294,13 @@ def consolidate(
     step_dir = Path(step_dir)
     verify_step(step_dir)
     state: dict[str, Any] = {}
-    try:
+    with dcp_errors(step_dir, f"consolidation of {step_dir.name}", 0, LOAD_ADVICE):
         _load_state_dict(
             state,
             storage_reader=FileSystemReader(step_dir),
             planner=WeightsOnlyEmptyPlanner(keys=[key]),
             no_dist=True,
         )
-    except BaseException as exc:
-        what = f"consolidation of {step_dir.name}"
-        failure = dcp_failure(exc, step_dir, what, 0, LOAD_ADVICE)
-        if failure is exc:  # a Ctrl-C stays a Ctrl-C
-            raise
-        raise failure from exc
     if key not in state:
         raise CheckpointError(step_dir, f"has no top-level key {key!r}; try 'model' or 'optim'")
     value = state[key]
