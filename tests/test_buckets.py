@@ -1,8 +1,12 @@
 """assign_buckets is PyTorch's partition rule: the same buckets as PyTorch's own assignment
 function (several models, caps, first-bucket sizes and both parameter orders) and as a live
-DistributedDataParallel after it rebuilds its buckets from the gradient-ready order."""
+DistributedDataParallel after it rebuilds its buckets from the gradient-ready order. And
+chapter 3's workers (refimpl.demos.buckets): overlap timelines, DDP's own statistics, the
+fp16 hook's error and overflow."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +14,16 @@ import torch.distributed as dist
 from torch import nn
 
 from refimpl.buckets import MB, assign_buckets, bucket_bytes
-from refimpl.demos.ddp import make_mlp, rebuild_follows_rank0, torch_ddp_buckets
+from refimpl.demos.buckets import (
+    ddp_hook_trace,
+    ddp_statistics,
+    fp16_hook_error,
+    fp16_overflow,
+    grad_scaler_with_fp16_hook,
+    timeline,
+)
+from refimpl.demos.ddp import make_mlp, torch_ddp_buckets
+from refimpl.demos.ddp_details import rebuild_follows_rank0
 from refimpl.launch import spawn
 
 
@@ -104,3 +117,57 @@ def test_ddp_rebuilds_from_rank_0s_order_on_every_rank() -> None:
             assert after == [construction, construction, expected], label
         unused = r["find_unused_parameters=True"]["buckets"]
         assert unused == [unused[0]] * 4 and len(unused[0]) == 2
+
+
+def test_traced_timeline_has_a_completion_for_every_launch(tmp_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from refimpl.buckets import draw_timeline
+
+    for impl in ("mini", "naive"):
+        trace = spawn(timeline, 2, impl, 0.5, (64, 64, 64, 8), 8, timeout_s=60)[0]
+        kinds = [k for _, k, _ in trace["events"]]
+        assert kinds.count("launch") == kinds.count("done") == len(trace["buckets"]), impl
+        assert kinds.count("grad") == len(trace["names"])
+        draw_timeline(trace).figure.savefig(tmp_path / f"{impl}.png")
+
+
+def test_fp16_hook_halves_bytes_with_bounded_error() -> None:
+    r = spawn(fp16_hook_error, 2, 1000, timeout_s=60)[0]
+    assert r["fp16_bytes"] * 2 == r["fp32_bytes"]
+    assert 0 < r["max_rel_error"] < 1e-3
+
+
+def test_ddp_launches_one_bucket_at_step_1_and_overlaps_after_the_rebuild() -> None:
+    steps = spawn(ddp_hook_trace, 2, (512,) * 3, 3, timeout_s=60)[0]["steps"]
+    first = [(k, i) for _, k, i in steps[0]["events"]]
+    assert steps[0]["buckets"] == [[0, 1, 2, 3]]  # step 1: one bucket, launched at the end
+    assert first.index(("launch", 0)) > first.index(("grad", 0))
+    third = [(k, i) for _, k, i in steps[2]["events"]]
+    assert steps[2]["buckets"] == [[3, 2], [1, 0]]  # rebuilt: 1 MB first bucket
+    assert third.index(("launch", 0)) < third.index(("grad", 0))  # overlap
+    assert third.count(("done", 0)) == third.count(("done", 1)) == 1
+
+
+def test_ddp_statistics_are_sampled_and_positive() -> None:
+    r = spawn(ddp_statistics, 2, (64,) * 3, 12, timeout_s=60)[0]
+    assert r["sampled iteration"] == 10  # iterations 1-10, then every 100th
+    assert r["avg_backward_comm_time"] > 0 and r["avg_backward_compute_time"] > 0
+    assert r["gradient_as_bucket_view"] == 0
+
+
+def test_fp16_hook_casts_before_dividing_and_overflows() -> None:
+    for r in spawn(fp16_overflow, 2, timeout_s=60):
+        assert r["DDP, no hook (float32)"] == "60000"
+        assert r["DDP + default_hooks.fp16_compress_hook"] == "inf"
+        assert r["MiniDDP + fp16_compress_hook"] == "inf"
+        assert r["DDP + a hook that divides, then casts"] == "60000"
+        assert r["bf16_compress_hook on gloo"].startswith("TypeError: BF16 all reduce")
+
+
+def test_grad_scaler_skips_steps_when_the_fp16_hook_overflows() -> None:
+    plain = spawn(grad_scaler_with_fp16_hook, 2, False, 4, timeout_s=60)[0]
+    hooked = spawn(grad_scaler_with_fp16_hook, 2, True, 4, timeout_s=60)[0]
+    assert all(s.startswith("step") for s in plain)
+    assert hooked[0] == "SKIP (scale 32768)" and hooked[-1].startswith("step")

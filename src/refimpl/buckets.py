@@ -134,7 +134,7 @@ def draw_buckets(
 
 
 def draw_timeline(trace: dict[str, Any], ax: Any = None, title: str = "") -> Any:
-    """Draw one traced backward (`refimpl.demos.ddp.timeline`): a tick per gradient, a bar
+    """Draw one traced backward (`refimpl.demos.buckets.timeline`): a tick per gradient, a bar
     per all-reduce from launch to completion, coloured by bucket; returns the axes."""
     import matplotlib.pyplot as plt
 

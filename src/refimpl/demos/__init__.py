@@ -4,9 +4,14 @@ Nothing here is part of the library a trainer imports (`refimpl.launch`, `refimp
 `refimpl.checkpoint`, ...), and no library module imports from here. Names here may change
 with the chapters that use them.
 
-- `refimpl.demos.ddp`: the workers of chapters 2-3 (``python -m refimpl.demos.ddp`` runs the
-  MiniDDP-vs-DDP parity check)
-- `refimpl.demos.sync`: the workers and timelines of chapter 4
+- `refimpl.demos.ddp`: chapter 2's models and core workers (``python -m refimpl.demos.ddp``
+  runs the MiniDDP-vs-DDP parity check); `refimpl.demos.ddp_details`: chapter 2's details
+  (buffers, ``no_sync``, ``Join``, the bucket rebuild); `refimpl.demos.buckets`: chapter 3's
+  timelines and compression hooks
+- `refimpl.demos.sync`: the workers and timelines of chapter 4; `refimpl.demos.hangs`: its
+  hang toolbox
+- `refimpl.demos.sharded`, `refimpl.demos.sharded_runs`: chapters 8-9;
+  `refimpl.demos.train`: chapter 10's runs of ``python -m refimpl.train``
 - `refimpl.demos.faults`: the kill-the-saver harness behind chapter 5
   (``python -m refimpl.demos.faults --kills 500``)
 """
