@@ -13,6 +13,8 @@ another world size the ranks, and so the streams, differ anyway).
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,34 +48,46 @@ def _extra(sampler: ResumableSampler | None = None, step: int = 0) -> dict[str, 
     return {"trainer": torch.tensor(values, dtype=torch.int64)}
 
 
-def save(ckpt_dir: str, model: torch.nn.Module, opt: torch.optim.Optimizer,
-         sampler: ResumableSampler, step: int, keep_last: int) -> str:  # fmt: skip
-    """Collective: every rank writes its shard; returns the committed step's name."""
-    path = save_sharded(ckpt_dir, model, opt, step, keep_last=keep_last,
+def save(
+    args: argparse.Namespace,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    sampler: ResumableSampler,
+    step: int,
+    log: Callable[[str], None],
+) -> None:
+    """Collective: every rank writes its shard; rank 0 commits the step when all are durable."""
+    path = save_sharded(args.ckpt_dir, model, opt, step, keep_last=args.keep_last,
                         extra=_extra(sampler, step))  # fmt: skip
-    return path.name
+    if dist.get_rank() == 0:
+        log(f"saved {path.name}")
 
 
-def load(ckpt_dir: str, model: torch.nn.Module, opt: torch.optim.Optimizer | None,
-         sampler: ResumableSampler | None, log: Any) -> int:  # fmt: skip
-    """Collective: load the newest good step at this world size; return it (0 without one).
-
-    ``opt`` or ``sampler`` None: leave that part as it is (the negative controls).
-    """
+def load(
+    args: argparse.Namespace,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    sampler: ResumableSampler,
+    device: torch.device,
+    log: Callable[[str], None],
+) -> int:
+    """Collective: load the newest good step at this world size, less ``--no-restore``;
+    return it (0 without one). Rank 0 picks the step for everyone; DCP reshards."""
     extra = _extra()
-    step = load_sharded(ckpt_dir, model, opt, extra=extra,
+    optimizer = None if "optimizer" in args.no_restore else opt
+    step = load_sharded(args.ckpt_dir, model, optimizer, extra=extra,
                         on_skip=lambda d, why: log(f"skipped {d.name}: {why}"))  # fmt: skip
     if step is None:
         return 0
     saved_step, seed, epoch, position = (int(v) for v in extra["trainer"])
     if saved_step != step:
-        raise RuntimeError(f"{ckpt_dir}: step_{step} holds trainer state of step {saved_step}")
-    if sampler is not None:
+        raise RuntimeError(f"{args.ckpt_dir}: step_{step} holds trainer state of step {saved_step}")
+    if "data" not in args.no_restore:
         sampler.load_state_dict({"seed": seed, "epoch": epoch, "position": position})
     return step
 
 
-def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def final_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Collective: the unsharded weights on CPU (rank 0 gets them; the others get {})."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = get_model_state_dict(model, options=options)

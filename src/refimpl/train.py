@@ -46,13 +46,11 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from refimpl import _train_sharded
+from refimpl import _train_files, _train_sharded
 from refimpl.atomic import atomic_save, atomic_write_bytes
-from refimpl.checkpoint import load_latest, save_checkpoint
 from refimpl.data import ResumableSampler
 from refimpl.launch import init_from_env
-from refimpl.state import capture_rng, capture_state, restore_state, unwrap_state_dict
-from refimpl.sync import barrier_safe, main_process_first
+from refimpl.sync import barrier_safe
 
 __all__ = ["FAULT_MARKER", "main", "make_data", "make_model", "parse_args"]
 
@@ -176,66 +174,21 @@ def _inject_fault(ckpt_dir: str, step: int, log: _Log) -> None:
     os._exit(1)  # no cleanup, no exception handlers: as abrupt as a segfault or the OOM killer
 
 
-def _save(args: argparse.Namespace, ddp: torch.nn.Module, opt: torch.optim.Optimizer,
-          sampler: ResumableSampler, step: int, log: _Log) -> None:  # fmt: skip
-    """Every rank captures its RNG, rank 0 writes the checkpoint, the others wait for it."""
-    if args.sharded:  # every rank writes its own shard
-        name = _train_sharded.save(args.ckpt_dir, ddp, opt, sampler, step, args.keep_last)
-        if dist.get_rank() == 0:
-            log(f"saved {name}")
-        return
-    world = dist.get_world_size()
-    rngs: list[Any] = [None] * world
-    dist.all_gather_object(rngs, capture_rng())  # each rank's dropout stream differs: keep all
-    state = capture_state(ddp, opt, sampler_state=sampler.state_dict(), rng=rngs,
-                          epoch=sampler.epoch, step=step, world_size=world)  # fmt: skip
-    # The other ranks wait here (not in the next step's all-reduce, under the training
-    # timeout) and raise at once if rank 0's save fails: chapter 4.
-    with main_process_first(timeout_s=args.save_timeout if world > 1 else None) as is_main:
-        if is_main:
-            path = save_checkpoint(args.ckpt_dir, state, step, keep_last=args.keep_last)
-            log(f"saved {path.name}")
-
-
-def _load(args: argparse.Namespace, ddp: torch.nn.Module, opt: torch.optim.Optimizer,
+def _load(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer,
           sampler: ResumableSampler, device: torch.device, log: _Log) -> int:  # fmt: skip
     """Restore the newest checkpoint on every rank; return its step (0 without one)."""
-    if args.sharded:  # rank 0 picks the step for everyone; DCP reshards to this world size
-        step = _train_sharded.load(
-            args.ckpt_dir, ddp, None if "optimizer" in args.no_restore else opt,
-            None if "data" in args.no_restore else sampler, log,
-        )  # fmt: skip
-        without = f" WITHOUT {'+'.join(args.no_restore)}" if args.no_restore else ""
-        fresh = f"no checkpoint in {args.ckpt_dir}: starting at step 0"
-        log(f"resumed from step_{step}{without}" if step else fresh)
-        return step
-    found = load_latest(args.ckpt_dir, map_location=device,
-                        on_skip=lambda d, why: log(f"skipped {d.name}: {why}"))  # fmt: skip
-    # Every rank reads the directory itself; on nodes without a shared filesystem (or with one
-    # that lags) they can see different steps, and would then silently train different models.
-    seen: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, None if found is None else found[0])
-    if len(set(seen)) > 1:
-        raise RuntimeError(
-            f"rank {dist.get_rank()}: ranks found different latest checkpoints in "
-            f"{args.ckpt_dir} (by rank: {seen}). Put --ckpt-dir on a filesystem every node sees."
-        )
-    if found is None:
+    step = int(_backend(args).load(args, model, opt, sampler, device, log))
+    if not step:
         log(f"no checkpoint in {args.ckpt_dir}: starting at step 0")
         return 0
-    state = dict(found[1])
-    if "rng" in args.no_restore:
-        state["rng"] = None
-    optimizer = None if "optimizer" in args.no_restore else opt
-    info = restore_state(state, ddp, optimizer, rank=dist.get_rank(),
-                         world_size=dist.get_world_size())  # fmt: skip
-    if "data" not in args.no_restore:
-        sampler.load_state_dict(info["sampler"])
-    if info["world_size"] != dist.get_world_size():
-        log(f"checkpoint is from {info['world_size']} ranks: RNG streams start afresh")
     without = f" WITHOUT {'+'.join(args.no_restore)}" if args.no_restore else ""
-    log(f"resumed from step_{info['step']}{without}")
-    return int(info["step"])
+    log(f"resumed from step_{step}{without}")
+    return step
+
+
+def _backend(args: argparse.Namespace) -> Any:
+    """Where checkpoints go: one file by rank 0 (DDP), or a shard by every rank (FSDP2)."""
+    return _train_sharded if args.sharded else _train_files
 
 
 def _shared_store_warning() -> str | None:
@@ -296,15 +249,15 @@ def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device
             if log.bar is not None:
                 log.bar.update(1)
             if step % args.save_every == 0 or stop or step == args.steps:
-                _save(args, ddp, opt, sampler, step, log)
+                _backend(args).save(args, ddp, opt, sampler, step, log)
             if stop:
                 log(f"SIGTERM: stopped after step {step}, checkpoint saved; exit 0")
                 return 0
             time.sleep(args.step_sleep)
     if args.final_weights:
-        weights = _train_sharded.full_weights(ddp) if args.sharded else None  # collective
+        weights = _backend(args).final_weights(ddp)  # a collective under FSDP2
         if rank == 0:
-            atomic_save(weights or unwrap_state_dict(ddp), args.final_weights)
+            atomic_save(weights, args.final_weights)
             log(f"final weights at step {step} written")
     barrier_safe()  # nobody leaves (and tears the group down) before rank 0 has written
     log(f"done: {step} steps")
