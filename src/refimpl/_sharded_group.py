@@ -28,6 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from refimpl._publish import publish_dir
 from refimpl._sharded_commit import (
     METADATA,
     ShardedCheckpointError,
@@ -36,7 +37,7 @@ from refimpl._sharded_commit import (
     write_manifest,
 )
 from refimpl.atomic import _fsync_tree, fsync_dir, remove_stale_temps, temp_path
-from refimpl.checkpoint import _prune, _publish, step_dir_name
+from refimpl.checkpoint import _prune, step_dir_name
 
 logger = logging.getLogger("refimpl.sharded")
 _INTACT = (
@@ -128,7 +129,7 @@ def _publish_step(
             return f"rank 0 found files no rank reported in {tmp}: {sorted(present - set(files))}"
         write_manifest(tmp, step, files, world)
         _fsync_tree(tmp)
-        _publish(tmp, final)
+        publish_dir(tmp, final)
         fsync_dir(final.parent)
     except OSError as exc:
         return f"rank 0 could not commit {final} ({exc})"

@@ -20,8 +20,6 @@ code did not write or whose writer may still be alive.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import logging
 import operator
@@ -37,6 +35,7 @@ import torch
 
 from refimpl import __version__
 from refimpl._manifest import FORMAT, KEY_RE, ManifestError, find_unloadable, fix_for, parse
+from refimpl._publish import publish_dir
 from refimpl.atomic import (
     COMMIT_MARKER,
     DIGESTS,
@@ -287,60 +286,6 @@ def _saver(obj: Any) -> Callable[[IO[bytes]], None]:
     return lambda f: torch.save(obj, f)
 
 
-_RENAME_EXCHANGE = 2
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two directory entries (Linux ``renameat2(RENAME_EXCHANGE)``).
-
-    Returns False where the kernel, libc or filesystem cannot (then the caller falls back).
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd = -100
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: not supported here
-        return False
-    raise OSError(err, os.strerror(err), str(b))
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Make the complete directory ``tmp`` the step ``final``; an old ``final`` is replaced.
-
-    At every instant a committed ``final`` exists (if one did before): the swap is one atomic
-    exchange. Where exchange is unsupported, the old copy is renamed aside under a temp name
-    of ours only after the new copy is complete, and restored if the second rename fails.
-    """
-    if not final.exists():
-        try:
-            os.rename(tmp, final)
-            return
-        except OSError as exc:
-            if not final.exists():
-                raise
-            # Someone published this step between our check and our rename: fall through.
-            logger.warning("save_checkpoint: %s appeared while saving (%s)", final, exc)
-    if _exchange(tmp, final):
-        shutil.rmtree(tmp, ignore_errors=True)  # now holds the old copy
-        return
-    aside = temp_path(final)
-    os.rename(final, aside)
-    try:
-        os.rename(tmp, final)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.rename(aside, final)
-        raise
-    shutil.rmtree(aside, ignore_errors=True)
-
-
 def _prune(ckpt_dir: Path, keep_last: int, saved_step: int) -> None:
     """Keep ``keep_last`` committed steps up to ``saved_step``; never touch anything else.
 
@@ -426,7 +371,7 @@ def save_checkpoint(
         (tmp / COMMIT_MARKER).touch()  # written last: its presence means "everything is here"
         if durable:
             _fsync_tree(tmp)
-        _publish(tmp, final)
+        publish_dir(tmp, final)
         if durable:
             fsync_dir(root)
     except OSError as exc:
