@@ -28,12 +28,14 @@ from refimpl.sharded import load_sharded, save_sharded
 
 
 def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """FSDP2 on each linear layer and at the root, over a 1-D mesh of every rank."""
+    """FSDP2 on each linear layer and at the root, over a 1-D mesh of every rank; in place
+    (the module becomes an FSDPModule) and returned."""
+    model.to(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for layer in model.modules():
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
-    fully_shard(model.to(device), mesh=mesh)  # in place: the module becomes an FSDPModule
+    fully_shard(model, mesh=mesh)
     return model
 
 

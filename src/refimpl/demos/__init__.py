@@ -10,7 +10,7 @@ with the chapters that use them.
   timelines and compression hooks
 - `refimpl.demos.sync`: the workers and timelines of chapter 4; `refimpl.demos.hangs`: its
   hang toolbox
-- `refimpl.demos.sharded`, `refimpl.demos.sharded_runs`: chapters 8-9;
+- `refimpl.demos.sharded`, `refimpl.demos.sharded_runs`, `refimpl.demos.dcp_pitfalls`: chapters 8-9;
   `refimpl.demos.train`: chapter 10's runs of ``python -m refimpl.train``
 - `refimpl.demos.faults`: the kill-the-saver harness behind chapter 5
   (``python -m refimpl.demos.faults --kills 500``)
