@@ -21,7 +21,7 @@ from refimpl.atomic import (
     atomic_write_bytes,
     remove_stale_temps,
 )
-from refimpl.demos.faults import inject_io_error, trace_io
+from refimpl.demos.io_faults import inject_io_error, trace_io
 
 DEAD_PID = 2**22 + 7  # above Linux's largest pid_max: no process can have it
 

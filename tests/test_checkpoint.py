@@ -25,7 +25,8 @@ from refimpl.checkpoint import (
     step_dir_name,
     verify_checkpoint,
 )
-from refimpl.demos.faults import inject_io_error, make_state, trace_io
+from refimpl.demos.faults import make_state
+from refimpl.demos.io_faults import inject_io_error, trace_io
 
 DEAD_PID = 2**22 + 7
 

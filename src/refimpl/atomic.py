@@ -93,7 +93,7 @@ def temp_path(path: str | os.PathLike[str]) -> Path:
     return path.with_name(f".{base}{TEMP_TAG}{_OWNER}-{os.getpid()}-{secrets.token_hex(4)}")
 
 
-# Indirections the fault-injection harness (refimpl.demos.faults) swaps to inject ENOSPC / EIO.
+# Indirections the fault injection (refimpl.demos.io_faults) swaps to inject ENOSPC / EIO.
 _fsync: Callable[[int], None] = os.fsync
 _replace: Callable[[Any, Any], None] = os.replace
 

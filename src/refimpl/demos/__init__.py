@@ -13,5 +13,6 @@ with the chapters that use them.
 - `refimpl.demos.sharded`, `refimpl.demos.sharded_runs`, `refimpl.demos.dcp_pitfalls`: chapters 8-9;
   `refimpl.demos.train`: chapter 10's runs of ``python -m refimpl.train``
 - `refimpl.demos.faults`: the kill-the-saver harness behind chapter 5
-  (``python -m refimpl.demos.faults --kills 500``)
+  (``python -m refimpl.demos.faults --kills 500``); `refimpl.demos.io_faults`: its injected
+  I/O errors, flipped bits and object-store renames
 """
