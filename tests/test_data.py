@@ -84,3 +84,64 @@ def test_set_epoch_keeps_loaded_position_for_same_epoch() -> None:
     assert len(list(s)) == 14
     s.set_epoch(2)
     assert len(list(s)) == 20
+
+
+# --- issue 19 item 5: set_epoch resets every iteration counter ---------------------------------
+
+
+def _resume_draws(s: ResumableSampler, epoch: int, batches_done: int | None) -> list[int]:
+    """What a fresh sampler (same config) draws of ``epoch`` after loading ``s``'s state."""
+    state = s.state_dict() if batches_done is None else s.state_dict(batches_done=batches_done)
+    t = ResumableSampler(s.dataset_len, batch_size=s.batch_size, rank=0, world_size=1, seed=0)
+    t.load_state_dict(state)
+    t.set_epoch(epoch)
+    return list(t)
+
+
+def test_state_after_set_epoch_is_the_new_epochs_start() -> None:
+    s = ResumableSampler(20, batch_size=2, rank=0, world_size=1, seed=0)
+    list(s)  # the whole of epoch 0
+    s.set_epoch(1)  # a checkpoint taken here must resume at the start of epoch 1
+    assert s.state_dict() == {"seed": 0, "epoch": 1, "position": 0}
+    assert len(_resume_draws(s, 1, None)) == 20
+
+
+def test_state_after_a_resumed_epoch_does_not_carry_its_start_offset() -> None:
+    s = ResumableSampler(20, batch_size=2, rank=0, world_size=1, seed=0)
+    s.load_state_dict({"seed": 0, "epoch": 0, "position": 12})
+    assert len(list(s)) == 8  # the rest of the resumed epoch 0
+    s.set_epoch(1)
+    assert s.state_dict(batches_done=0)["position"] == 0
+    assert len(_resume_draws(s, 1, 0)) == 20
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(1, 60),
+    batch=st.integers(1, 5),
+    ws=st.integers(1, 4),
+    start=st.integers(0, 60),
+    done=st.integers(0, 20),
+    use_count=st.booleans(),
+)
+def test_any_save_after_set_epoch_resumes_the_whole_new_epoch(
+    n: int, batch: int, ws: int, start: int, done: int, use_count: bool
+) -> None:
+    # epoch 0 resumed anywhere, drawn (partly or to the end), then set_epoch(1) and a save:
+    # epoch 1 must come back whole on every rank, whatever was counted before.
+    ranks = [ResumableSampler(n, batch_size=batch, rank=r, world_size=ws) for r in range(ws)]
+    for s in ranks:
+        s.load_state_dict({"seed": 0, "epoch": 0, "position": min(start, n)})
+        it = iter(s)
+        for _ in range(min(done * batch, len(s))):
+            next(it)
+        s.set_epoch(1)
+    states = [s.state_dict() if use_count else s.state_dict(batches_done=0) for s in ranks]
+    assert all(st_ == {"seed": 0, "epoch": 1, "position": 0} for st_ in states)
+    fresh = [ResumableSampler(n, batch_size=batch, rank=r, world_size=ws) for r in range(ws)]
+    drawn = []
+    for s in fresh:
+        s.load_state_dict(states[0])
+        s.set_epoch(1)
+        drawn += [i for p, i in zip(s.positions(), s, strict=True) if not s.is_padding(p)]
+    assert sorted(drawn) == list(range(n))

@@ -33,8 +33,10 @@ class ResumableSampler(Sampler[int]):
     ``state_dict()`` is ``{"seed", "epoch", "position"}``, with ``position`` the global
     stream positions drawn this epoch. Under a ``DataLoader`` the sampler's own iterator runs
     ahead of training (prefetching), so a trainer passes what it has *consumed*:
-    ``state_dict(batches_done=k)`` (k = batches this rank has trained on since the epoch's
-    start position). Example::
+    ``state_dict(batches_done=k)``, k = batches this rank has trained on in this epoch *since
+    the position the epoch was started or resumed from* (0 after `set_epoch` to a new epoch,
+    the loaded ``position`` after `load_state_dict`), not since the epoch's first sample.
+    Example::
 
         s = ResumableSampler(10, batch_size=2, rank=0, world_size=2, seed=0)
         it = iter(s); [next(it) for _ in range(2)]     # first global batch, rank 0's half
@@ -78,10 +80,15 @@ class ResumableSampler(Sampler[int]):
         return self.batch_size * self.world_size
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its beginning, unless a loaded state is for this same epoch."""
+        """Start ``epoch`` from its beginning, unless a loaded state is for this same epoch.
+
+        A new epoch resets every counter: where the next iteration starts, where the last one
+        started and how many indices it handed out. A `state_dict` taken right after
+        ``set_epoch`` is then the new epoch's start, not the last epoch's end.
+        """
         if epoch != self.epoch:
             self.epoch = epoch
-            self._start = 0
+            self._start = self._iter_start = self._yielded = 0
 
     def permutation(self) -> torch.Tensor:
         """This epoch's order of all ``dataset_len`` indices (the same on every rank)."""
@@ -125,9 +132,12 @@ class ResumableSampler(Sampler[int]):
         return (self._end(self._start) - self._start) // self.world_size
 
     def state_dict(self, batches_done: int | None = None) -> dict[str, int]:
-        """The global position after ``batches_done`` batches of this rank since the start.
+        """The global position after ``batches_done`` batches of this rank in this epoch.
 
-        Without ``batches_done`` the sampler's own count of handed-out indices is used,
+        ``batches_done`` counts from where this epoch's iteration started: 0 for an epoch
+        begun with `set_epoch`, the loaded ``position`` for one resumed with
+        `load_state_dict`. Without ``batches_done`` the sampler's own count of handed-out
+        indices (since that same start) is used,
         which is right only when nothing prefetches (``num_workers=0``, saved between
         batches); with worker processes the iterator is several batches ahead.
         """
