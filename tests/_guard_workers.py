@@ -122,3 +122,16 @@ def sync_on_all_but_last() -> str:
         return "left"
     sync_metrics({"a": (1.0, 1)})
     return "synced"
+
+
+def sync_each_case(cases: list[list[dict[str, Any]]]) -> list[str]:
+    """For each case, rank r syncs ``case[r]``; the error text (or the totals) per case. The
+    ranks stay in lockstep across cases only if an error is raised on every rank alike."""
+    out = []
+    for case in cases:
+        try:
+            got = sync_metrics(case[dist.get_rank()])
+            out.append(repr({k: (v.sum, v.count) for k, v in got.items()}))
+        except (ValueError, TypeError) as exc:
+            out.append(f"{type(exc).__name__}: {exc}")
+    return out
