@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 import zlib
 from typing import Any
 
@@ -26,8 +27,8 @@ def guarded_calls(plan: list[list[tuple[str, str, list[int], str]]]) -> dict[str
             t = torch.ones(shape, dtype=getattr(torch, dtype))
             if op == "all_reduce":
                 guard.all_reduce(t, name=name)
-            elif op == "all_reduce_max":
-                guard.all_reduce(t, name=name, op=dist.ReduceOp.MAX)
+            elif op.startswith("all_reduce_"):  # all_reduce_max, all_reduce_band, ...
+                guard.all_reduce(t, name=name, op=getattr(dist.ReduceOp, op[11:].upper()))
             elif op == "broadcast":
                 guard.broadcast(t, 0, name=name)
             elif op == "all_gather":
@@ -135,3 +136,23 @@ def sync_each_case(cases: list[list[dict[str, Any]]]) -> list[str]:
         except (ValueError, TypeError) as exc:
             out.append(f"{type(exc).__name__}: {exc}")
     return out
+
+
+def guard_default_timeout() -> tuple[float, float]:
+    """A guard built without ``timeout_s``: its timeout, and its check group's actual one."""
+    guard = CollectiveGuard()
+    backend = guard._check_group._get_backend(torch.device("cpu"))
+    return guard.timeout_s, backend.options._timeout.total_seconds()
+
+
+def rank0_arrives_late(late_s: float) -> str:
+    """Rank 0 reaches a guarded call ``late_s`` after rank 1, whose guard gives up after 1 s
+    and leaves: what each rank's error says."""
+    guard = CollectiveGuard(timeout_s=1.0)
+    if dist.get_rank() == 0:
+        time.sleep(late_s)  # a rank-0-only task (a save, an evaluation)
+    try:
+        guard.all_reduce(torch.ones(1), name="after/save")
+    except CollectiveMismatch as exc:
+        return str(exc)
+    return "no error"

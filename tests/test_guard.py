@@ -3,12 +3,21 @@ naming each rank's call, including the same-shape case PyTorch's DETAIL mode let
 
 from __future__ import annotations
 
+import re
+
 import _guard_workers
 import pytest
 import torch
+import torch.distributed as dist
 
 from refimpl.demos import multitask as mt
-from refimpl.guard import FINGERPRINT_LEN, CollectiveGuard, _decode, _fingerprint
+from refimpl.guard import (
+    FINGERPRINT_LEN,
+    CollectiveGuard,
+    _decode,
+    _fingerprint,
+    _reduce_code,
+)
 from refimpl.launch import spawn
 
 AR = "all_reduce"
@@ -42,6 +51,10 @@ def test_matching_calls_pass_and_are_counted() -> None:
         ((AR, "m", [2], "float64"), ("broadcast", "m", [2], "float64"), "broadcast (src=0)"),
         ((AR, "m", [2], "float64"), ("all_reduce_max", "m", [2], "float64"), "(MAX)"),
         ((AR, "m", [2], "float64"), ("barrier", "m", [], "float64"), "barrier"),
+        # issue 19 item 10: ops and dtypes outside the old tables
+        (("all_reduce_band", "m", [2], "int64"), ("all_reduce_bor", "m", [2], "int64"), "(BOR)"),
+        ((AR, "m", [2], "uint16"), (AR, "m", [2], "uint32"), "uint32[2]"),
+        ((AR, "m", [2], "float8_e4m3fn"), (AR, "m", [2], "float8_e5m2"), "float8_e5m2[2]"),
     ],
 )
 def test_each_kind_of_disagreement_is_caught_on_every_rank(
@@ -63,7 +76,8 @@ def test_a_rank_with_fewer_calls_is_reported_with_each_ranks_last_call() -> None
     results = _run([[a, a, (AR, "seg/boundary", [2], "float64")], [a, a]])
     assert results[1] == {"done": 2, "error": None, "calls": []}  # rank 1 finished and left
     err = results[0]["error"]
-    assert "rank 0 waited 3 s at all_reduce 'seg/boundary' (call #2)" in err
+    # rank 1 had left: rank 0's exchange failed at once, and says so (not "waited 3 s")
+    assert "rank 0 reached all_reduce 'seg/boundary' (call #2) after its peers had left" in err
     assert "rank 1 last recorded: rank 1: call #1 all_reduce (SUM) 'seg/loss'" in err
 
 
@@ -107,3 +121,44 @@ def test_chapter_loop_guarded_stops_at_the_first_divergent_step() -> None:
     truth = mt.true_means(fixed)
     for r in fixed:
         assert {k: s / c for k, (s, c) in sorted(r["synced"].items())} == pytest.approx(truth)
+
+
+# --- issue 19 item 10: every reduce op and every dtype is told apart ----------------------
+
+
+@pytest.mark.filterwarnings("ignore:(ComplexHalf|torch.quantize):UserWarning")  # empty() of them
+def test_every_dtype_and_reduce_op_has_its_own_fingerprint() -> None:
+    dtypes = {v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+    seen = {}
+    for dtype in dtypes:
+        fp = _fingerprint(0, "all_reduce", "m", torch.empty(0, dtype=dtype), 0)
+        assert _decode(0, fp).dtype == str(dtype).removeprefix("torch.")
+        seen[tuple(fp)] = dtype
+    assert len(seen) == len(dtypes)  # no two dtypes share a fingerprint
+    ops = dist.ReduceOp.RedOpType.__members__
+    fps = set()
+    for name, op in ops.items():
+        for given in (op, dist.ReduceOp(op) if name != "PREMUL_SUM" else op):
+            fp = _fingerprint(0, "all_reduce", "m", torch.zeros(1), _reduce_code(given))
+            assert _decode(0, fp).detail == f"({name})"
+            fps.add(tuple(fp))
+    assert len(fps) == len(ops)
+
+
+# --- issue 19 item 11: the guard's timeout, and a rank that arrives after the others left ----
+
+
+def test_the_guard_defaults_to_the_groups_timeout() -> None:
+    # a guard with its own shorter limit would kill a healthy job whose rank 0 saves for
+    # longer than that limit while the group itself would have waited
+    assert spawn(_guard_workers.guard_default_timeout, 2, pg_timeout_s=7) == [(7.0, 7.0)] * 2
+
+
+def test_a_rank_arriving_after_its_peers_gave_up_says_so() -> None:
+    rank0, rank1 = spawn(_guard_workers.rank0_arrives_late, 2, 2.5, timeout_s=40)
+    assert rank1.startswith("rank 1 waited 1 s at all_reduce 'after/save' (call #0)"), rank1
+    assert "waited" not in rank0.splitlines()[0], rank0
+    head = re.match(r"rank 0 arrived at all_reduce 'after/save' \(call #0\) ([0-9.]+) s late, "
+                    r"after its peers gave up", rank0)  # fmt: skip
+    assert head is not None, rank0
+    assert float(head.group(1)) >= 1.5  # it slept 2.5 s before the call that rank 1 made at once

@@ -27,6 +27,7 @@ import datetime
 import functools
 import hashlib
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,10 +44,11 @@ MAX_DIMS = 8
 NAME_BYTES = 112
 _MAGIC = 0x7E57_6A4D  # a fingerprint whose slot 0 is not this was not written by a guard
 _OPS = ("all_reduce", "broadcast", "all_gather", "barrier", "reduce_scatter")
-_DTYPES = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-)  # fmt: skip
+# Every dtype torch defines, by name, sorted: the same index on every rank of one torch build
+# (a fixed short table let uint16 pass for uint32 and one float8 for another).
+_DTYPES = tuple(sorted({str(v) for v in vars(torch).values() if isinstance(v, torch.dtype)}))
+# Every reduce op by its enum value (BAND and BOR were once one "other" code).
+_REDUCE_OPS = {int(v.value): k for k, v in dist.ReduceOp.RedOpType.__members__.items()}
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,9 @@ def _fingerprint(
             raise ValueError(
                 f"CollectiveGuard: {name!r} has {tensor.dim()} dims; at most {MAX_DIMS}"
             )
-        dtype = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
+        name_of = str(tensor.dtype)
+        # a dtype outside torch's namespace (none today) still differs by its name's hash
+        dtype = _DTYPES.index(name_of) if name_of in _DTYPES else -2 - _name_hash(name_of)
         ndim = tensor.dim()
         shape[:ndim] = tensor.shape
     return [_MAGIC, seq, _OPS.index(op), name_hash, detail, length, dtype, ndim, *shape, *chunks]
@@ -122,9 +126,9 @@ def _decode(rank: int, v: list[int]) -> GuardedCall:
     name = raw[: v[5]].decode(errors="replace")
     dtype = (
         "none"
-        if v[6] < 0
-        else str(_DTYPES[v[6]]).replace("torch.", "")
-        if v[6] < len(_DTYPES)
+        if v[6] == -1
+        else _DTYPES[v[6]].removeprefix("torch.")
+        if 0 <= v[6] < len(_DTYPES)
         else "other"
     )
     op = _OPS[v[2]]
@@ -135,23 +139,39 @@ def _decode(rank: int, v: list[int]) -> GuardedCall:
 def _detail_name(op: str, code: int) -> str:
     if op == "broadcast":
         return f"src={code}"
-    return {0: "SUM", 1: "AVG", 2: "PRODUCT", 3: "MIN", 4: "MAX"}.get(code, f"op{code}")
+    return _REDUCE_OPS.get(code, f"op{code}")
 
 
 def _reduce_code(op: Any) -> int:
-    text = str(op).rsplit(".", 1)[-1].upper()
-    return {"SUM": 0, "AVG": 1, "PRODUCT": 2, "MIN": 3, "MAX": 4}.get(text, 9)
+    """The op's enum value: ``ReduceOp.BAND`` is a ``RedOpType``; ``ReduceOp(...)`` wraps one
+    in ``.op``. (A PREMUL_SUM's factor is not compared.)"""
+    return int(getattr(op, "op", op))
+
+
+def _group_timeout(group: Any) -> float:
+    """The timeout ``group`` (default: WORLD) was created with, in seconds.
+
+    torch keeps it in each backend's options (``ProcessGroupGloo`` and ``ProcessGroupNCCL``
+    both expose ``options._timeout``); `default_pg_timeout` if no backend says.
+    """
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    for device in pg._device_types:
+        timeout = getattr(getattr(pg._get_backend(device), "options", None), "_timeout", None)
+        if isinstance(timeout, datetime.timedelta):
+            return timeout.total_seconds()
+    return dist.default_pg_timeout.total_seconds()
 
 
 class CollectiveGuard:
     """Named collectives that raise `CollectiveMismatch` on every rank when ranks disagree.
 
     ``group``: the process group the collectives run in (default: WORLD). The fingerprints
-    travel in a gloo group of their own, with timeout ``timeout_s`` (default 60 s): host-side
-    even when the training collectives are NCCL, and with a limit chosen for a check, not for
-    the slowest collective. Creating it is a collective: build the guard on every rank at
-    start-up. ``enabled=False`` (or ``REFIMPL_GUARD=0`` in the environment) makes every method
-    a plain collective: the off switch for a run that has been checked.
+    travel in a gloo group of their own (host-side even when the training collectives are
+    NCCL) with timeout ``timeout_s``, by default ``group``'s own timeout: a shorter one would
+    kill a healthy job whose rank 0 works alone (saves, evaluates) for longer than it, where
+    the group itself would have waited. Creating it is a collective: build the guard on every
+    rank at start-up. ``enabled=False`` (or ``REFIMPL_GUARD=0`` in the environment) makes every
+    method a plain collective: the off switch for a run that has been checked.
 
     Every rank must route the same collectives through the guard; a collective made outside
     it is invisible to it and shows up as the *next* guarded call timing out.
@@ -159,9 +179,13 @@ class CollectiveGuard:
 
     _created = 0
 
-    def __init__(self, group: Any = None, *, enabled: bool = True, timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, group: Any = None, *, enabled: bool = True, timeout_s: float | None = None
+    ) -> None:
         self.enabled = enabled and os.environ.get("REFIMPL_GUARD", "1") != "0"
         self.group = group
+        if timeout_s is None:
+            timeout_s = _group_timeout(group) if dist.is_initialized() else 60.0
         self.timeout_s = timeout_s
         self.seq = 0
         self._check_group: Any = None
@@ -191,8 +215,9 @@ class CollectiveGuard:
         me = dist.get_rank(group)
         fp = _fingerprint(self.seq, op, name, tensor, detail)
         self.seq += 1
+        arrived, started = time.time(), time.monotonic()
         if self._store is not None:  # ~10 µs: what a timeout report shows for this rank
-            self._store.set(f"{self._key}/{me}", str(_decode(me, fp)))
+            self._store.set(f"{self._key}/{me}", f"{arrived:.3f} {_decode(me, fp)}")
         # One all-reduce (MAX) of [fp, -fp] gives max and -min of every slot: all ranks agree
         # exactly when max == min. Only a disagreement pays for gathering every fingerprint.
         both = torch.tensor(fp + [-x for x in fp], dtype=torch.int64)
@@ -203,7 +228,10 @@ class CollectiveGuard:
             gathered = [torch.empty(FINGERPRINT_LEN, dtype=torch.int64) for _ in range(world)]
             dist.all_gather(gathered, torch.tensor(fp, dtype=torch.int64), group=group)
         except RuntimeError as exc:
-            raise self._timeout_error(me, world, _decode(me, fp), exc) from exc
+            failed_after = time.monotonic() - started
+            raise self._timeout_error(
+                me, world, _decode(me, fp), exc, arrived, failed_after
+            ) from exc
         calls = [_decode(r, g.tolist()) for r, g in enumerate(gathered)]
         table = "\n".join(f"  {c}" for c in calls)
         raise CollectiveMismatch(
@@ -214,18 +242,26 @@ class CollectiveGuard:
         )
 
     def _timeout_error(
-        self, me: int, world: int, mine: GuardedCall, exc: Exception
+        self,
+        me: int,
+        world: int,
+        mine: GuardedCall,
+        exc: Exception,
+        arrived: float,
+        failed_after: float,
     ) -> CollectiveMismatch:
         last: list[GuardedCall | None] = [None] * world
         last[me] = mine
-        lines = []
+        lines, peers_since = [], []
         for r in range(world):
             text = "unknown (no store)"
             if self._store is not None:
                 key = f"{self._key}/{r}"
                 try:
                     if self._store.check([key]):
-                        text = self._store.get(key).decode()
+                        since, text = self._store.get(key).decode().split(" ", 1)
+                        if r != me and text.startswith(f"rank {r}: call #{mine.seq} "):
+                            peers_since.append(float(since))
                     else:
                         text = "no guarded call yet"
                 except Exception as err:  # the store may be gone with the rank that held it
@@ -233,13 +269,25 @@ class CollectiveGuard:
             lines.append(
                 f"  rank {r} last recorded: {text}" if r != me else f"  {mine}  <- waiting"
             )
-        return CollectiveMismatch(
-            f"rank {me} waited {self.timeout_s:g} s at {mine.op} {mine.name!r} (call #{mine.seq}) "
-            f"and not every rank arrived ({type(exc).__name__}). A rank that made fewer "
-            "guarded calls, an unguarded collective, or a stuck rank does this:\n"
-            + "\n".join(lines),
-            last,
+        at = f"{mine.op} {mine.name!r} (call #{mine.seq})"
+        why = (
+            "A rank that made fewer guarded calls, an unguarded collective, or a stuck rank "
+            "does this:"
         )
+        if failed_after >= self.timeout_s / 2:
+            head = f"rank {me} waited {self.timeout_s:g} s at {at} and not every rank arrived"
+        elif peers_since:  # failed at once: the peers had waited at this very call and left
+            head = (
+                f"rank {me} arrived at {at} {arrived - min(peers_since):.1f} s late, after its "
+                f"peers gave up (they wait {self.timeout_s:g} s). A task on this rank alone "
+                "(rank 0 saving, evaluating) longer than the guard's timeout does this: make "
+                "timeout_s longer than that task"
+            )
+            why = "Each rank's last call:"
+        else:  # failed at once: the peers had left (finished, or failed) before this call
+            head = f"rank {me} reached {at} after its peers had left, and did not wait"
+        head += f" (failed after {failed_after:.1f} s: {type(exc).__name__}). {why}"
+        return CollectiveMismatch(head + "\n" + "\n".join(lines), last)
 
     def all_reduce(self, tensor: torch.Tensor, *, name: str, op: Any = dist.ReduceOp.SUM) -> None:
         """``dist.all_reduce(tensor, op)`` in ``group``, after checking every rank agrees."""
