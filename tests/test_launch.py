@@ -298,6 +298,9 @@ def test_an_exception_the_launcher_cannot_import_is_still_a_worker_error() -> No
     with pytest.raises(WorkerError, match="cannot unpickle") as info:
         spawn(_workers.raise_exception_parent_cannot_import, 1, timeout_s=60)
     assert info.value.rank == 0
+    # the rank's own message and traceback still reach the caller (issue 19)
+    assert "rank 0 raised GhostError: a class the launcher cannot import" in str(info.value)
+    assert "in raise_exception_parent_cannot_import" in info.value.remote_traceback
 
 
 # --- Issue 13: name the stuck rank -------------------------------------------------------
@@ -349,3 +352,43 @@ def test_partial_and_keyword_arguments_reach_the_worker() -> None:
     assert spawn(functools.partial(_workers.scaled_rank, 5, offset=2), 2) == [2, 7]
     with pytest.raises(NotSpawnableError, match=r"defined in __main__|lambda"):
         spawn(functools.partial(lambda x: x, 1), 1)
+
+
+# --- issue 19: arguments checked before anything exists; the limit covers start-up ---------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "shown"),
+    [
+        ({"world_size": 2.5}, "world_size"),
+        ({"world_size": 0}, "world_size"),
+        ({"world_size": -1}, "world_size"),
+        ({"world_size": True}, "world_size"),
+        ({"timeout_s": 0}, "timeout_s"),
+        ({"timeout_s": -1}, "timeout_s"),
+        ({"timeout_s": float("nan")}, "timeout_s"),
+        ({"pg_timeout_s": 0}, "pg_timeout_s"),
+        ({"pg_timeout_s": -1.0}, "pg_timeout_s"),
+        ({"pg_timeout_s": float("inf")}, "pg_timeout_s"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_is_created(
+    kwargs: dict, shown: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[type-arg]
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where spawn's run dir would go
+    world_size = kwargs.pop("world_size", 2)
+    with pytest.raises(ValueError, match=shown):
+        spawn(_workers.rank_and_sum, world_size, **kwargs)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_time_limit_covers_start_up() -> None:
+    spawn(_workers.rank_and_sum, 1)  # the fork server is up: its own start is not measured
+    limit = 0.05
+    start = time.monotonic()
+    with pytest.raises(WorkerTimeout, match="starting"):
+        spawn(_workers.rank_and_sum, 16, timeout_s=limit)
+    elapsed = time.monotonic() - start
+    assert elapsed < limit + 0.75, f"gave up after {elapsed:.2f} s, limit {limit} s"

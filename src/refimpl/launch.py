@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import datetime
 import functools
+import math
 import multiprocessing as mp
+import numbers
 import os
 import pickle
 import shutil
@@ -195,7 +197,9 @@ def spawn(
     ``fn`` must be importable by module and name (not defined in a notebook); otherwise
     `NotSpawnableError` is raised before any process starts. If any rank raises or dies,
     every rank is killed and `WorkerError` is raised naming the rank that caused it; if the
-    job runs past ``timeout_s`` seconds, `WorkerTimeout` is raised. Collectives inside the
+    job runs past ``timeout_s`` seconds (starting the ranks included), `WorkerTimeout` is
+    raised. A ``world_size`` that is not a whole number >= 1, or a timeout that is not a finite
+    number of seconds > 0, is a `ValueError` before anything is created. Collectives inside the
     group time out after ``pg_timeout_s`` (default: the smaller of 30 s and ``timeout_s``).
 
     Keyword arguments for ``fn`` go in ``kwargs={...}`` (``spawn``'s own keywords stay
@@ -212,29 +216,71 @@ def spawn(
         from refimpl.collectives import rank_times_ten
         spawn(rank_times_ten, 2)  # -> [0, 10]
     """
+    # Every argument is checked before anything exists (a run directory, a store, a process).
+    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral):
+        raise ValueError(f"world_size must be at least 1 and a whole number, got {world_size!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
+    world_size = int(world_size)
+    _check_seconds("timeout_s", timeout_s)
     deadline = time.monotonic() + timeout_s  # start-up counts: the limit is wall-clock
     fn = _importable(fn if not kwargs else functools.partial(fn, **kwargs))
     if pg_timeout_s is None:
         pg_timeout_s = min(DEFAULT_PG_TIMEOUT_S, timeout_s)
+    _check_seconds("pg_timeout_s", pg_timeout_s)
+    if rank_output not in ("hide", "show", "inherit"):
+        raise ValueError(f"rank_output must be 'hide', 'show' or 'inherit', not {rank_output!r}")
     ctx: Any = mp.get_context(start_method)
     if start_method == "forkserver":
         # Workers fork from a server that has torch imported already: ~10 ms a rank
         # instead of the ~2 s a fresh interpreter needs to import torch.
         ctx.set_forkserver_preload(["torch", "torch.distributed", "refimpl._rank_process"])
-    if rank_output not in ("hide", "show", "inherit"):
-        raise ValueError(f"rank_output must be 'hide', 'show' or 'inherit', not {rank_output!r}")
     run_dir = tempfile.mkdtemp(prefix="refimpl-ranks-")
+    procs: list[Any] = []
+    job = f"{os.getpid()}-{os.urandom(6).hex()}"
+    try:
+        return _run(
+            ctx, fn, world_size, args, backend, pg_timeout_s, rank_output, run_dir, job, procs,
+            deadline, timeout_s,
+        )  # fmt: skip
+    finally:
+        kill_all(procs, job)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _check_seconds(name: str, value: Any) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not 0 < float(value) < math.inf
+    ):
+        raise ValueError(f"{name} must be a finite number of seconds above 0, got {value!r}")
+
+
+def _run(
+    ctx: Any,
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...],
+    backend: str,
+    pg_timeout_s: float,
+    rank_output: str,
+    run_dir: str,
+    job: str,
+    procs: list[Any],
+    deadline: float,
+    timeout_s: float,
+) -> list[Any]:
+    """`spawn` once its arguments are checked: start the ranks (into ``procs``, which the
+    caller kills whatever happens), then collect their results."""
     logs = [
         None if rank_output == "inherit" else os.path.join(run_dir, f"rank{r}.log")
         for r in range(world_size)
     ]
     reports = [os.path.join(run_dir, f"rank{r}.result") for r in range(world_size)]
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    job = f"{os.getpid()}-{os.urandom(6).hex()}"
     env = {**os.environ, JOB_MARKER: job}  # inherited by everything a rank starts
-    procs = [
+    procs += [
         ctx.Process(
             target=bootstrap,
             args=(
@@ -260,7 +306,15 @@ def spawn(
     ]
     try:
         with main_module_hidden():
-            for proc in procs:
+            for rank, proc in enumerate(procs):
+                if time.monotonic() > deadline:  # starting 128 ranks takes seconds
+                    late = WorkerTimeout(range(world_size), timeout_s)
+                    late.args = (
+                        f"the job ran past its {timeout_s:g} s limit while starting rank {rank} "
+                        f"of {world_size} (start-up counts toward timeout_s); every rank was "
+                        "killed. Give spawn a longer timeout_s.",
+                    )
+                    raise late
                 proc.start()
         values = _collect(procs, reports, deadline, timeout_s)
         if rank_output == "show":
@@ -272,8 +326,7 @@ def spawn(
         err.output = read_log(logs[err.rank])
         raise
     finally:
-        kill_all(procs, job)
-        shutil.rmtree(run_dir, ignore_errors=True)
+        kill_all(procs, job)  # before the store goes: no rank is left talking to it
         del store
 
 
@@ -322,7 +375,11 @@ def _collect(
                 values[rank] = _unpickle(rank, "a return value", report[1])
             else:
                 name, message, text, exc_bytes = report[1]
-                exc = _unpickle(rank, "an exception", exc_bytes) if exc_bytes else None
+                exc = None
+                try:
+                    exc = _unpickle(rank, "an exception", exc_bytes) if exc_bytes else None
+                except WorkerError as lost:  # keep the rank's own message and traceback
+                    message = f"{message}\n(Note: {lost})"
                 failures.append((rank, name, message, text, exc))
             if failures and first_failure_at is None:
                 first_failure_at = time.monotonic()
