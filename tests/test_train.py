@@ -188,6 +188,31 @@ def test_parse_args_refuses_nonsense() -> None:
         train_command([], launcher="mpirun")
 
 
+BAD_FLAGS = [
+    ("--steps", "-1"), ("--steps", "ten"), ("--save-every", "0"), ("--keep-last", "0"),
+    ("--keep-last", "-2"), ("--ckpt-dir", ""), ("--final-weights", " "), ("--seed", "-1"),
+    ("--seed", str(2**32)), ("--batch-size", "0"), ("--samples", "0"), ("--lr", "0"),
+    ("--lr", "nan"), ("--lr", "-0.001"), ("--dropout", "1.5"), ("--dropout", "-0.1"),
+    ("--pg-timeout", "0"), ("--pg-timeout", "-1"), ("--pg-timeout", "inf"),
+    ("--save-timeout", "0"), ("--log-every", "0"), ("--fail-at-step", "0"),
+    ("--fail-rank", "-2"), ("--step-sleep", "-1"), ("--step-sleep", "nan"), ("--sample-log", ""),
+]  # fmt: skip
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(("flag", "value"), BAD_FLAGS)
+def test_every_bad_flag_is_a_parse_error_naming_it(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused before anything starts (exit 2, argparse's ``argument FLAG: ...``), not at the
+    first save on every rank (``--keep-last 0``) or as a raw C++ error (``--pg-timeout 0``)."""
+    with pytest.raises(SystemExit) as exc:
+        parse_args([flag, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: must " in err, err
+
+
 LOG = """\
 W1123 torchrun noise
 [rank1] start: world 2, restart 0, device cpu
