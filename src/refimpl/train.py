@@ -12,7 +12,9 @@ The restart loop is torchrun's: when a worker exits non-zero, its agent SIGTERMs
 *is* recovery: every start calls `load_latest` and continues from the newest checkpoint that
 verifies, restoring what an exact resume needs (weights, optimizer, sampler position, every
 rank's RNG, the step). Running the same command again is always safe: a finished run finds its
-last step and only rewrites the final weights.
+last step and only rewrites the final weights. A start that finds committed steps but can load
+none of them (all damaged, or written by the other backend: ``--sharded`` forgotten or added)
+stops with the reasons instead of training from step 0 over them.
 
 ``--sharded`` swaps DDP for FSDP2 and rank 0's file for chapter 8's DCP checkpoints, which
 every rank writes in parallel and a restart at another world size reshards; the step and the
@@ -38,6 +40,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -48,6 +51,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from refimpl import _train_files, _train_sharded
 from refimpl._argtypes import float_range, int_range, nonempty
+from refimpl._train_resume import refuse_fresh_start
 from refimpl.atomic import atomic_save, atomic_write_bytes
 from refimpl.data import ResumableSampler
 from refimpl.launch import init_from_env
@@ -185,9 +189,25 @@ def _inject_fault(ckpt_dir: str, step: int, log: _Log) -> None:
 
 def _load(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer,
           sampler: ResumableSampler, device: torch.device, log: _Log) -> int:  # fmt: skip
-    """Restore the newest checkpoint on every rank; return its step (0 without one)."""
-    step = int(_backend(args).load(args, model, opt, sampler, device, log))
+    """Restore the newest checkpoint on every rank; return its step (0 without one).
+
+    Loading nothing where committed steps exist raises on every rank instead of returning 0:
+    training from step 0 would overwrite them (`refimpl._train_resume`)."""
+    skipped: list[str] = []
+
+    def on_skip(step_dir: Path, why: str) -> None:
+        skipped.append(f"{step_dir.name}: {why}")
+        log(f"skipped {step_dir.name}: {why}")
+
+    step = int(_backend(args).load(args, model, opt, sampler, device, log, on_skip))
     if not step:
+        # Every rank decides from its own listing; one all-gather makes them stop together.
+        mine = refuse_fresh_start(args.ckpt_dir, args.sharded, skipped)
+        found: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(found, mine)
+        why = next((w for w in found if w), None)
+        if why:
+            raise RuntimeError(f"rank {dist.get_rank()}: {why}")
         log(f"no checkpoint in {args.ckpt_dir}: starting at step 0")
         return 0
     without = f" WITHOUT {'+'.join(args.no_restore)}" if args.no_restore else ""
