@@ -579,3 +579,45 @@ def test_the_pre_save_check_agrees_with_torch_load_itself(tmp_path: Path, value:
     except Exception:
         torch_loads = False
     assert (find_unloadable({"v": value}) is None) == torch_loads
+
+
+# --- Issue 19 #3: the non-atomic publish fallback loses no step ---------------------------
+
+_KILLED_MID_FALLBACK = """
+import os, sys
+from refimpl import _publish
+from refimpl.checkpoint import save_checkpoint
+_publish._exchange = lambda a, b: False  # NFS, CIFS, many FUSE filesystems: no RENAME_EXCHANGE
+real_rename, calls = os.rename, []
+def rename(src, dst, *args, **kwargs):
+    calls.append(dst)
+    if len(calls) == int(sys.argv[2]):  # 2: the old copy is aside, the new one not yet in
+        os._exit(9)
+    real_rename(src, dst, *args, **kwargs)
+os.rename = rename
+save_checkpoint(sys.argv[1], {"meta": {"v": 2}}, 8)
+"""
+
+
+@pytest.mark.parametrize(("kill_at", "survivor"), [(2, 1), (3, 2)], ids=["aside", "published"])
+def test_a_writer_killed_between_the_fallbacks_two_renames_loses_no_step(
+    tmp_path: Path, kill_at: int, survivor: int
+) -> None:
+    """Where ``renameat2`` cannot exchange, a re-save moves the committed step aside and then
+    renames the new copy in. A kill between the two must not hide the step from `load_latest`
+    nor let the next save's stale-temp sweep delete it: the aside copy is put back. A kill
+    just after the new copy is in leaves the old copy aside: it is removed, the new one kept."""
+    import subprocess
+    import sys
+
+    save_checkpoint(tmp_path, {"meta": {"v": 1}}, 4)
+    save_checkpoint(tmp_path, {"meta": {"v": 1}}, 8)
+    cmd = [sys.executable, "-c", _KILLED_MID_FALLBACK, str(tmp_path), str(kill_at)]
+    assert subprocess.run(cmd, timeout=60).returncode == 9  # it really died there
+    assert load_latest(tmp_path) == (8, {"meta": {"v": survivor}})
+    save_checkpoint(tmp_path, {"meta": {"v": 3}}, 9, keep_last=None)  # reaps the dead temps
+    assert _steps(tmp_path) == [4, 8, 9]
+    assert load_checkpoint(tmp_path / "step_00000008") == {"meta": {"v": survivor}}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step_00000004", "step_00000008", "step_00000009"
+    ]  # fmt: skip

@@ -35,7 +35,7 @@ import torch
 
 from refimpl import __version__
 from refimpl._manifest import FORMAT, KEY_RE, ManifestError, find_unloadable, fix_for, parse
-from refimpl._publish import publish_dir
+from refimpl._publish import publish_dir, restore_asides
 from refimpl.atomic import (
     COMMIT_MARKER,
     DIGESTS,
@@ -96,10 +96,14 @@ def _as_step(step: Any) -> int:
 
 
 def list_checkpoints(ckpt_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-    """Every ``step_N`` directory in ``ckpt_dir`` (committed or not), oldest first."""
+    """Every ``step_N`` directory in ``ckpt_dir`` (committed or not), oldest first.
+
+    A step that a save killed mid-publish left under its aside name is renamed back first
+    (`refimpl._publish.restore_asides`), so every load, prune and cleanup sees it."""
     root = Path(ckpt_dir)
     if not root.is_dir():
         return []
+    restore_asides(root)
     found = []
     for entry in root.iterdir():
         match = _STEP_RE.fullmatch(entry.name)
