@@ -470,7 +470,7 @@ def test_safe_load_keeps_the_line_naming_the_type_and_no_ansi(tmp_path: Path) ->
     torch.save({"p": Path("/data")}, path)
     with pytest.raises(CheckpointError) as info:
         safe_load(path)
-    text = str(info.value)
+    text = str(info.value).replace(str(tmp_path), "TMP")
     assert "PosixPath" in text and "safe_globals" in text and "\x1b[" not in text
 
 
@@ -666,3 +666,32 @@ def test_parameters_and_allowlisted_tensor_subclasses_are_accepted_and_load(tmp_
         save_checkpoint(tmp_path, {"p": param, "t": tagged}, 1)
         state = load_latest(tmp_path)[1]  # type: ignore[index]
     assert type(state["p"]) is torch.nn.Parameter and type(state["t"]) is _TaggedTensor
+
+
+# --- Issue 19: a manifest that disagrees with its directory; messages without temp names ---
+
+
+def test_a_step_whose_manifest_names_another_step_is_skipped_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    """``cp -r step_00000004 step_00000009``: every digest verifies, but it is not step 9."""
+    import shutil
+
+    save_checkpoint(tmp_path, {"meta": {"v": 4}}, 4)
+    save_checkpoint(tmp_path, {"meta": {"v": 8}}, 8)
+    shutil.copytree(tmp_path / "step_00000004", tmp_path / "step_00000009")
+    skipped: list[tuple[str, str]] = []
+    found = load_latest(tmp_path, on_skip=lambda d, why: skipped.append((d.name, why)))
+    assert found == (8, {"meta": {"v": 8}})
+    assert skipped and skipped[0][0] == "step_00000009"
+    assert "says step 4" in skipped[0][1] and "step_00000009" in skipped[0][1], skipped
+
+
+def test_a_failed_save_names_the_step_and_the_key_not_a_temporary_file(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, {"model": torch.zeros(2)}, 1)
+    with inject_io_error(errno.EACCES), pytest.raises(CheckpointError) as info:
+        save_checkpoint(tmp_path, {"model": torch.ones(2)}, 2)
+    text = str(info.value).replace(str(tmp_path), "TMP")
+    assert TEMP_TAG not in text and "previous model.pt" not in text, text
+    assert "step_00000002" in text and "model.pt" in text and "permissions" in text, text
+    assert "disk" not in text, text
