@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -261,3 +262,55 @@ def test_xxh3_is_computed_while_writing(tmp_path: Path) -> None:
 
     digest = atomic_write(tmp_path / "f.bin", lambda f: f.write(b"abc" * 1000), digest="xxh3_128")
     assert digest == xxhash.xxh3_128(b"abc" * 1000).hexdigest()
+
+
+# --- Issue 19: hard links, and messages that say what really failed -----------------------
+
+
+def test_replacing_a_hard_linked_file_warns_and_keeps_both_versions(tmp_path: Path) -> None:
+    """A rename gives the name a new inode, so the link is split: the other name keeps the old
+    bytes (no work lost either way), and the caller is told, not left to find out."""
+    target, other = tmp_path / "w.pt", tmp_path / "w-link.pt"
+    atomic_save({"v": 1}, target)
+    os.link(target, other)
+    with pytest.warns(RuntimeWarning, match=r"2 hard links.*w-link|other 1 name"):
+        atomic_save({"v": 2}, target)
+    assert torch.load(target) == {"v": 2} and torch.load(other) == {"v": 1}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one name again: no warning
+        atomic_save({"v": 3}, target)
+
+
+def test_a_missing_directory_is_named_not_the_temporary_file(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError) as info:
+        atomic_save({"v": 1}, tmp_path / "nodir" / "w.pt")
+    text = str(info.value).replace(str(tmp_path), "TMP")
+    assert TEMP_TAG not in text and "TMP/nodir does not exist" in text, text
+
+
+class _SecretStore:
+    """Pickling it raises an OSError that has nothing to do with the disk."""
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        raise PermissionError(13, "no access to the secret store")
+
+
+def test_a_serialisation_error_is_not_reported_as_a_disk_or_permission_problem(
+    tmp_path: Path,
+) -> None:
+    target = tmp_path / "w.pt"
+    atomic_save({"v": 1}, target)
+    with pytest.raises(PermissionError) as info:
+        atomic_save({"s": _SecretStore()}, target)
+    text = str(info.value).replace(str(tmp_path), "TMP")
+    assert "no access to the secret store" in text, text
+    assert "atomic write" not in text and "permissions" not in text and "disk" not in text, text
+    assert torch.load(target) == {"v": 1} and [p.name for p in tmp_path.iterdir()] == ["w.pt"]
+
+
+def test_a_non_disk_error_does_not_say_check_the_disk(tmp_path: Path) -> None:
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(IsADirectoryError) as info:
+        atomic_save({"v": 1}, tmp_path / "adir")
+    text = str(info.value).replace(str(tmp_path), "TMP")
+    assert "disk" not in text and "is a directory" in text and TEMP_TAG not in text, text

@@ -52,3 +52,15 @@ def test_readme_installs_torch_before_refimpl_and_the_package_has_its_own_descri
 def test_build_outputs_are_ignored_so_installing_from_a_path_leaves_git_clean() -> None:
     ignored = (ROOT / ".gitignore").read_text().split()
     assert "build/" in ignored and "dist/" in ignored and "*.egg-info/" in ignored
+
+
+def test_both_readmes_show_the_install_that_works_from_a_clone() -> None:
+    """refimpl is not on PyPI: ``pip install refimpl`` fails (or installs someone else's
+    package). Both READMEs install torch first (with the CPU index line for CPU-only
+    machines), then refimpl from the clone."""
+    cpu = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+    for readme in (ROOT / "README.md", ROOT / _pyproject()["project"]["readme"]):
+        text = readme.read_text()
+        assert not re.search(r"pip install refimpl\b", text), readme
+        assert text.index("pip install torch==") < text.index("pip install -e ."), readme
+        assert cpu in text and "not on PyPI" in text, readme

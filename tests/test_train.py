@@ -27,7 +27,7 @@ from refimpl.demos.train import (
     same_weights,
     train_command,
 )
-from refimpl.launch import spawn
+from refimpl.launch import WorkerError, spawn
 from refimpl.train import FAULT_MARKER, _shared_store_warning, main, parse_args
 
 ARGS = ["--steps", "12", "--save-every", "4", "--samples", "64", "--seed", "3"]
@@ -158,6 +158,54 @@ def test_a_corrupt_latest_checkpoint_is_skipped_and_its_steps_retrained(
     assert "step 5 loss" in out and _latest(tmp_path) == 8
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("first_sharded", [True, False])
+def test_a_forgotten_or_extra_sharded_flag_refuses_to_start_over_the_other_backends_steps(
+    tmp_path: Path, first_sharded: bool
+) -> None:
+    """``--sharded`` then plain (or the reverse) on one --ckpt-dir: the other backend's steps
+    are not loadable here, and starting at step 0 would overwrite them. The second run must
+    stop, naming what it found and the flag to pass, and leave every step as it was."""
+    ckpt = tmp_path / "ckpt"
+    args = ["--steps", "2", "--save-every", "1", "--samples", "32", "--ckpt-dir", str(ckpt)]
+    flag = ["--sharded"] if first_sharded else []
+    _ok(run_train([*args, *flag], launcher="python", timeout_s=60))
+    before = {d.name: sorted(p.name for p in d.iterdir()) for _, d in list_checkpoints(ckpt)}
+    stamps = {d.name: (d / "MANIFEST.json").stat().st_mtime_ns for _, d in list_checkpoints(ckpt)}
+    other = [] if first_sharded else ["--sharded"]
+    run = run_train([*args, "--steps", "4", *other], launcher="python", timeout_s=60)
+    assert run.returncode != 0, run.stdout
+    out = run.stdout + run.stderr
+    written = "written with --sharded" if first_sharded else "written without --sharded"
+    advice = "run again with --sharded" if first_sharded else "run again without --sharded"
+    assert written in out and advice in out, out[-3000:]
+    assert " loss " not in run.stdout  # not one step trained
+    after = {d.name: sorted(p.name for p in d.iterdir()) for _, d in list_checkpoints(ckpt)}
+    assert after == before
+    assert stamps == {d.name: (d / "MANIFEST.json").stat().st_mtime_ns
+                      for _, d in list_checkpoints(ckpt)}  # fmt: skip
+
+
+@pytest.mark.timeout(60)
+def test_committed_steps_that_all_fail_to_load_stop_the_trainer_with_the_reasons(
+    tmp_path: Path,
+) -> None:
+    """Every committed step damaged: starting at 0 would overwrite them, so it stops instead."""
+    args = ["--steps", "8", "--save-every", "4", "--samples", "64", "--ckpt-dir", str(tmp_path)]
+    assert spawn(main, 1, args, timeout_s=60) == [0]
+    for _, step_dir in list_checkpoints(tmp_path):
+        weights = step_dir / "model.pt"
+        data = bytearray(weights.read_bytes())
+        data[-100] ^= 0xFF
+        weights.write_bytes(bytes(data))
+    with pytest.raises(WorkerError) as exc:
+        spawn(main, 1, args, timeout_s=60)
+    text = str(exc.value)
+    assert "none of them loads" in text and "step_00000004" in text, text
+    assert "xxh3_128 mismatch" in text and "another --ckpt-dir" in text, text
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [4, 8]
+
+
 @pytest.mark.timeout(10)
 def test_warns_about_torchruns_shared_store_only_when_it_can_restart(
     monkeypatch: pytest.MonkeyPatch,
@@ -186,6 +234,31 @@ def test_parse_args_refuses_nonsense() -> None:
     ]
     with pytest.raises(ValueError, match="launcher"):
         train_command([], launcher="mpirun")
+
+
+BAD_FLAGS = [
+    ("--steps", "-1"), ("--steps", "ten"), ("--save-every", "0"), ("--keep-last", "0"),
+    ("--keep-last", "-2"), ("--ckpt-dir", ""), ("--final-weights", " "), ("--seed", "-1"),
+    ("--seed", str(2**32)), ("--batch-size", "0"), ("--samples", "0"), ("--lr", "0"),
+    ("--lr", "nan"), ("--lr", "-0.001"), ("--dropout", "1.5"), ("--dropout", "-0.1"),
+    ("--pg-timeout", "0"), ("--pg-timeout", "-1"), ("--pg-timeout", "inf"),
+    ("--save-timeout", "0"), ("--log-every", "0"), ("--fail-at-step", "0"),
+    ("--fail-rank", "-2"), ("--step-sleep", "-1"), ("--step-sleep", "nan"), ("--sample-log", ""),
+]  # fmt: skip
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(("flag", "value"), BAD_FLAGS)
+def test_every_bad_flag_is_a_parse_error_naming_it(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused before anything starts (exit 2, argparse's ``argument FLAG: ...``), not at the
+    first save on every rank (``--keep-last 0``) or as a raw C++ error (``--pg-timeout 0``)."""
+    with pytest.raises(SystemExit) as exc:
+        parse_args([flag, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: must " in err, err
 
 
 LOG = """\

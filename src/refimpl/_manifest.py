@@ -48,7 +48,9 @@ def find_unloadable(value: Any, where: str = "state", depth: int = 0) -> str | N
     if depth > 100:
         return f"{where} is nested more than 100 levels deep"
     kind = type(value)
-    if kind in _PLAIN or isinstance(value, torch.Tensor) or kind in _TORCH_VALUES:
+    if isinstance(value, torch.Tensor):
+        return _tensor_problem(value, where, depth)
+    if kind in _PLAIN or kind in _TORCH_VALUES:
         return None
     if kind in _CONTAINERS or kind is collections.Counter:
         items = value.items() if isinstance(value, Mapping) else enumerate(value)
@@ -61,10 +63,27 @@ def find_unloadable(value: Any, where: str = "state", depth: int = 0) -> str | N
             if bad:
                 return bad
         return None
-    allowed = [g[0] if isinstance(g, tuple) else g for g in torch.serialization.get_safe_globals()]
-    if any(kind is a for a in allowed):
+    if _allowlisted(kind):
         return None
     return f"{where} is a {kind.__module__}.{kind.__qualname__}"
+
+
+def _allowlisted(kind: type) -> bool:
+    allowed = [g[0] if isinstance(g, tuple) else g for g in torch.serialization.get_safe_globals()]
+    return any(kind is a for a in allowed)
+
+
+def _tensor_problem(value: torch.Tensor, where: str, depth: int) -> str | None:
+    """A tensor is pickled as its class plus its Python attributes (torch 2.13,
+    ``Tensor.__reduce_ex__``: ``_rebuild_from_type_v2(func, type(self), args, state)``;
+    ``Parameter.__reduce_ex__``: ``_rebuild_parameter_with_state``). The weights-only
+    unpickler rebuilds only ``Tensor``, ``Parameter`` and allowlisted classes, and the
+    attributes must be loadable too, so any ``isinstance(v, Tensor)`` is not enough."""
+    kind = type(value)
+    if kind is not torch.Tensor and kind is not torch.nn.Parameter and not _allowlisted(kind):
+        return f"{where} is a tensor subclass {kind.__module__}.{kind.__qualname__}"
+    state = torch._utils._get_obj_state(value)  # type: ignore[no-untyped-call]  # its attributes
+    return find_unloadable(state, f"{where}'s attributes", depth + 1) if state else None
 
 
 def fix_for(kind_text: str) -> str:
@@ -73,6 +92,12 @@ def fix_for(kind_text: str) -> str:
         return "convert numpy values with .item() / float() / int(), arrays with torch.from_numpy"
     if "Path" in kind_text:
         return "store paths as str(path)"
+    if "tensor subclass" in kind_text:
+        return (
+            "store it as a plain tensor (value.as_subclass(torch.Tensor)), or allowlist the "
+            "class with torch.serialization.add_safe_globals([...]) in every process that "
+            "saves and loads"
+        )
     return (
         "convert it to tensors, numbers, strings and containers, or allowlist the type with "
         "torch.serialization.add_safe_globals([...]) in every process that saves and loads"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,11 +52,12 @@ def load(
     sampler: ResumableSampler,
     device: torch.device,
     log: Callable[[str], None],
+    on_skip: Callable[[Path, str], None],
 ) -> int:
     """Restore the newest checkpoint on every rank, less ``--no-restore``; return its step
-    (0 without one)."""
+    (0 without one); each step skipped goes to ``on_skip(step_dir, reason)``."""
     found = load_latest(args.ckpt_dir, map_location=device,
-                        on_skip=lambda d, why: log(f"skipped {d.name}: {why}"))  # fmt: skip
+                        on_skip=on_skip)  # fmt: skip
     # Every rank reads the directory itself; on nodes without a shared filesystem (or with one
     # that lags) they can see different steps, and would then silently train different models.
     seen: list[Any] = [None] * dist.get_world_size()

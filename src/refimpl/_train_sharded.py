@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -72,13 +73,15 @@ def load(
     sampler: ResumableSampler,
     device: torch.device,
     log: Callable[[str], None],
+    on_skip: Callable[[Path, str], None],
 ) -> int:
     """Collective: load the newest good step at this world size, less ``--no-restore``;
-    return it (0 without one). Rank 0 picks the step for everyone; DCP reshards."""
+    return it (0 without one; each step skipped goes to ``on_skip``). Rank 0 picks the step
+    for everyone; DCP reshards."""
     extra = _extra()
     optimizer = None if "optimizer" in args.no_restore else opt
     step = load_sharded(args.ckpt_dir, model, optimizer, extra=extra,
-                        on_skip=lambda d, why: log(f"skipped {d.name}: {why}"))  # fmt: skip
+                        on_skip=on_skip)  # fmt: skip
     if step is None:
         return 0
     saved_step, seed, epoch, position = (int(v) for v in extra["trainer"])

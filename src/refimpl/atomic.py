@@ -18,19 +18,21 @@ directory of files, and writes a commit marker last.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import os
 import re
 import secrets
 import shutil
 import socket
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 import xxhash
+
+from refimpl._write_errors import WatchedFile, advice, interrupt_in, root_oserror
 
 __all__ = [
     "COMMIT_MARKER",
@@ -53,7 +55,6 @@ COMMIT_MARKER = "COMMITTED"
 
 _MAX_PLAIN_NAME = 200  # bytes; longer names get a hashed temp name (NAME_MAX is 255)
 _TEMP_RE = re.compile(r"\.(?P<base>.+)\.tmp-(?P<owner>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]{8}")
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def _owner_tag() -> str:
@@ -123,7 +124,7 @@ DIGESTS: dict[str, Callable[[], Any]] = {"sha256": hashlib.sha256, "xxh3_128": x
 class _HashingFile:
     """A write-only file wrapper that feeds every byte written into a digest."""
 
-    def __init__(self, f: IO[bytes], algorithm: str) -> None:
+    def __init__(self, f: IO[bytes] | WatchedFile, algorithm: str) -> None:
         self._f = f
         self.hash = DIGESTS[algorithm]()
 
@@ -133,41 +134,6 @@ class _HashingFile:
 
     def flush(self) -> None:
         self._f.flush()
-
-
-def _root_oserror(exc: BaseException) -> OSError | None:
-    """The disk error behind ``exc``, if any.
-
-    torch.save's zip writer turns a failed write into ``RuntimeError: unexpected pos`` when
-    it closes the archive; the ENOSPC/EIO that caused it is only in the exception chain.
-    """
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno is not None:
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
-def _interrupt_in(exc: BaseException) -> BaseException | None:
-    """The KeyboardInterrupt behind ``exc``: torch.save's zip writer re-raises a Ctrl-C that
-    arrived mid-write as ``RuntimeError: unexpected pos``, with the interrupt as context."""
-    seen: BaseException | None = exc
-    for _ in range(20):
-        if seen is None:
-            return None
-        if isinstance(seen, KeyboardInterrupt):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
-def _advice(err: OSError) -> str:
-    if err.errno in _DISK_FULL:
-        return "Free some space (or raise the quota), then save again"
-    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return "Check the directory's permissions and that the filesystem is writable"
-    return "Check the disk (dmesg) and save again"
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -205,7 +171,10 @@ def atomic_write(
 
     Links: when ``path`` is a symlink, its target is replaced and the link kept. A hard link
     to the old file keeps the old contents: a rename gives the name a new inode, so other
-    names of the old inode are not updated. The replaced file's permission bits are kept.
+    names of the old inode are not updated; a ``RuntimeWarning`` says so. Chosen over the
+    alternatives because it loses nothing: writing in place would keep the link but let a
+    crash tear the file under every name, and refusing would lose the save. The replaced
+    file's permission bits are kept.
     Temporaries that a killed earlier writer of ``path`` left behind are removed first.
 
     Example::
@@ -217,27 +186,42 @@ def atomic_write(
     if path.is_symlink():  # replace the link's target and keep the link
         path = Path(os.path.realpath(path))
     remove_stale_temps(path.parent, target=path.name)
-    f, tmp = _open_temp(path)
-    replaced = False
+    try:
+        links = os.stat(path).st_nlink
+    except OSError:
+        links = 1
+    try:
+        f, tmp = _open_temp(path)
+    except OSError as exc:  # name the user's file and directory, not a temp that never was
+        raise OSError(  # OSError(errno, ...) is the errno's subclass (FileNotFoundError, ...)
+            exc.errno,
+            f"cannot write {path}: creating a temporary file in {path.parent} failed "
+            f"({exc.strerror or exc}). {advice(exc, path)}",
+        ) from exc
+    watched = WatchedFile(f)
+    stage = "serialise"  # then "write": from here on every OSError is the file's
     try:
         with f:
-            sink: Any = _HashingFile(f, algorithm) if algorithm else f
+            sink: Any = _HashingFile(watched, algorithm) if algorithm else watched
             write(sink)
-            f.flush()  # Python's buffer -> the kernel
+            stage = "write"
+            watched.flush()  # Python's buffer -> the kernel
             if durable:
                 _fsync(f.fileno())  # the kernel's page cache -> the disk
         _replace(tmp, path)  # atomic on POSIX: the old file or the new one, never a mix
-        replaced = True
+        stage = "sync"
         if durable:
             fsync_dir(path.parent)
     except BaseException as exc:  # KeyboardInterrupt must clean up too
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        interrupt = _interrupt_in(exc)
+        interrupt = interrupt_in(exc)
         if interrupt is not None and interrupt is not exc:
             raise interrupt from exc  # Ctrl-C stays Ctrl-C, so `except KeyboardInterrupt` runs
-        os_error = _root_oserror(exc)
-        if os_error is not None and replaced:
+        # While serialising, only what the file itself raised is a write error; an OSError
+        # from the object's own pickling (a __reduce__ that raises) is the caller's, as is.
+        os_error = watched.error if stage == "serialise" else root_oserror(exc)
+        if os_error is not None and stage == "sync":
             raise OSError(
                 os_error.errno,
                 f"{path} was written and renamed, but syncing its directory failed "
@@ -249,9 +233,17 @@ def atomic_write(
                 os_error.errno,
                 f"atomic write of {path} failed ({os_error.strerror or os_error}); the previous "
                 f"{path.name} is untouched and the temporary file was removed. "
-                f"{_advice(os_error)}",
+                f"{advice(os_error, path)}",
             ) from exc
         raise
+    if links > 1:
+        warnings.warn(
+            f"{path} had {links} hard links: the atomic replace gave it a new inode, so its other "
+            f"{links - 1} name(s) still hold the previous contents. Nothing was lost; re-link "
+            "them (or use a symlink, which is followed) if they should see the new file",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return str(sink.hash.hexdigest()) if algorithm else None
 
 

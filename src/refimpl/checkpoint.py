@@ -35,7 +35,8 @@ import torch
 
 from refimpl import __version__
 from refimpl._manifest import FORMAT, KEY_RE, ManifestError, find_unloadable, fix_for, parse
-from refimpl._publish import publish_dir
+from refimpl._publish import publish_dir, restore_asides
+from refimpl._write_errors import advice, root_oserror
 from refimpl.atomic import (
     COMMIT_MARKER,
     DIGESTS,
@@ -96,10 +97,14 @@ def _as_step(step: Any) -> int:
 
 
 def list_checkpoints(ckpt_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-    """Every ``step_N`` directory in ``ckpt_dir`` (committed or not), oldest first."""
+    """Every ``step_N`` directory in ``ckpt_dir`` (committed or not), oldest first.
+
+    A step that a save killed mid-publish left under its aside name is renamed back first
+    (`refimpl._publish.restore_asides`), so every load, prune and cleanup sees it."""
     root = Path(ckpt_dir)
     if not root.is_dir():
         return []
+    restore_asides(root)
     found = []
     for entry in root.iterdir():
         match = _STEP_RE.fullmatch(entry.name)
@@ -144,6 +149,15 @@ def _verify(step_dir: Path) -> dict[str, Any]:
         if _digest_file(path, algorithm) != digest:
             raise CheckpointError(path, f"{algorithm} mismatch with the manifest (corrupted bytes)")
     manifest: dict[str, Any] = json.loads(raw)
+    named = _STEP_RE.fullmatch(step_dir.name)
+    step = manifest.get("step")
+    if named and (type(step) is not int or step != int(named.group(1))):
+        # A copied or renamed step verifies file by file; loading it would resume the wrong step.
+        raise CheckpointError(
+            manifest_path,
+            f"says step {step!r}, but its directory is {step_dir.name}: a copied or renamed "
+            "step. Rename it to the step its manifest names if that is what it holds",
+        )
     return manifest
 
 
@@ -351,11 +365,12 @@ def save_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(root)
     tmp = temp_path(final)
+    writing = "its temporary directory"  # what a failure names: never the temp's own name
     try:
         tmp.mkdir()
         files = {}
         for key, value in state.items():
-            name = f"{key}.pt"
+            name = writing = f"{key}.pt"
             digest = atomic_write(tmp / name, _saver(value), durable=False, digest=DIGEST)
             files[name] = {DIGEST: digest, "bytes": (tmp / name).stat().st_size}
         manifest = {
@@ -365,21 +380,28 @@ def save_checkpoint(
             "torch": torch.__version__,
             "refimpl": __version__,
         }
+        writing = MANIFEST
         atomic_write(
             tmp / MANIFEST, lambda f: f.write(json.dumps(manifest).encode()), durable=False
         )
+        writing = COMMIT_MARKER
         (tmp / COMMIT_MARKER).touch()  # written last: its presence means "everything is here"
+        writing = "the step (fsync)"
         if durable:
             _fsync_tree(tmp)
+        writing = f"the step (publishing it as {final.name})"
         publish_dir(tmp, final)
+        writing = f"the step (syncing {root})"
         if durable:
             fsync_dir(root)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        err = root_oserror(exc, innermost=True) or exc
         raise CheckpointError(
             final,
-            f"save of step {step} failed: {exc}. Earlier checkpoints (and any earlier copy of "
-            "this step) are intact and the temporary files were removed.",
+            f"save of step {step} failed while writing {writing} ({err.strerror or err}). "
+            f"{advice(err, final)}. Earlier checkpoints (and any earlier copy of this step) are "
+            "intact and the temporary files were removed.",
         ) from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

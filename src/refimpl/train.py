@@ -12,7 +12,9 @@ The restart loop is torchrun's: when a worker exits non-zero, its agent SIGTERMs
 *is* recovery: every start calls `load_latest` and continues from the newest checkpoint that
 verifies, restoring what an exact resume needs (weights, optimizer, sampler position, every
 rank's RNG, the step). Running the same command again is always safe: a finished run finds its
-last step and only rewrites the final weights.
+last step and only rewrites the final weights. A start that finds committed steps but can load
+none of them (all damaged, or written by the other backend: ``--sharded`` forgotten or added)
+stops with the reasons instead of training from step 0 over them.
 
 ``--sharded`` swaps DDP for FSDP2 and rank 0's file for chapter 8's DCP checkpoints, which
 every rank writes in parallel and a restart at another world size reshards; the step and the
@@ -38,6 +40,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -47,6 +50,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from refimpl import _train_files, _train_sharded
+from refimpl._argtypes import float_range, int_range, nonempty
+from refimpl._train_resume import refuse_fresh_start
 from refimpl.atomic import atomic_save, atomic_write_bytes
 from refimpl.data import ResumableSampler
 from refimpl.launch import init_from_env
@@ -61,30 +66,40 @@ FAULT_MARKER = "fault_injected_at_step_{step}"
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line of ``python -m refimpl.train`` (see ``--help``)."""
     p = argparse.ArgumentParser(prog="python -m refimpl.train", description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps in all")
-    p.add_argument("--save-every", type=int, default=5, help="checkpoint every N steps")
-    p.add_argument("--keep-last", type=int, default=3, help="committed checkpoints to keep")
-    p.add_argument("--ckpt-dir", default="ckpt", help="where step_N checkpoints go")
-    p.add_argument("--final-weights", default=None, help="write the weights here at the end")
-    p.add_argument("--seed", type=int, default=0, help="weights, data, sample order, dropout")
-    p.add_argument("--batch-size", type=int, default=8, help="samples per rank per step")
-    p.add_argument("--samples", type=int, default=256, help="size of the synthetic dataset")
-    p.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
-    p.add_argument("--dropout", type=float, default=0.1, help="makes the RNG part of the state")
-    p.add_argument("--pg-timeout", type=float, default=60.0, help="collective timeout, seconds")
-    p.add_argument("--save-timeout", type=float, default=600.0, help="wait for rank 0's save")
-    p.add_argument("--log-every", type=int, default=1, help="rank 0 logs the loss every N steps")
+    # Every value is checked here (exit 2 naming the flag), not where it is first used: a bad
+    # --keep-last used to fail at the first save on every rank, and on every restart.
+    count, positive, seconds = int_range(0), int_range(1), float_range(0, low_open=True)
+    p.add_argument("--steps", type=count, default=20, help="optimizer steps in all")
+    p.add_argument("--save-every", type=positive, default=5, help="checkpoint every N steps")
+    p.add_argument("--keep-last", type=positive, default=3, help="committed checkpoints to keep")
+    p.add_argument("--ckpt-dir", type=nonempty, default="ckpt", help="where step_N checkpoints go")
+    p.add_argument("--final-weights", type=nonempty, default=None,
+                   help="write the weights here at the end")  # fmt: skip
+    p.add_argument("--seed", type=int_range(0, 2**32 - 1), default=0,
+                   help="weights, data, sample order, dropout")  # fmt: skip
+    p.add_argument("--batch-size", type=positive, default=8, help="samples per rank per step")
+    p.add_argument("--samples", type=positive, default=256, help="size of the synthetic dataset")
+    p.add_argument("--lr", type=float_range(0, low_open=True), default=1e-2,
+                   help="AdamW learning rate")  # fmt: skip
+    p.add_argument("--dropout", type=float_range(0, 1), default=0.1,
+                   help="makes the RNG part of the state")  # fmt: skip
+    p.add_argument("--pg-timeout", type=seconds, default=60.0, help="collective timeout, seconds")
+    p.add_argument("--save-timeout", type=seconds, default=600.0, help="wait for rank 0's save")
+    p.add_argument(
+        "--log-every", type=positive, default=1, help="rank 0 logs the loss every N steps"
+    )
     p.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
                    help="tqdm bar on rank 0 (auto: when stderr is a terminal)")  # fmt: skip
     p.add_argument("--sharded", action="store_true",
                    help="FSDP2 and sharded DCP checkpoints: resume at any world size")  # fmt: skip
     fault = p.add_argument_group("fault injection and debugging (chapter 10's demos)")
-    fault.add_argument("--fail-at-step", type=int, default=None,
+    fault.add_argument("--fail-at-step", type=positive, default=None,
                        help="one rank dies (os._exit(1)) at the start of step S, once")  # fmt: skip
-    fault.add_argument("--fail-rank", type=int, default=-1, help="which rank (-1: the last)")
-    fault.add_argument("--step-sleep", type=float, default=0.0,
+    fault.add_argument("--fail-rank", type=int_range(-1), default=-1,
+                       help="which rank (-1: the last)")  # fmt: skip
+    fault.add_argument("--step-sleep", type=float_range(0), default=0.0,
                        help="sleep after each step (time to send a signal)")  # fmt: skip
-    fault.add_argument("--sample-log", default=None,
+    fault.add_argument("--sample-log", type=nonempty, default=None,
                        help="append each step's sample indices to PATH.rankR")  # fmt: skip
     fault.add_argument("--no-restore", action="append", default=[],
                        choices=("rng", "data", "optimizer"),
@@ -92,8 +107,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.sharded and "rng" in args.no_restore:
         p.error("--sharded saves no RNG state (each step re-seeds dropout): nothing to leave out")
-    if args.steps < 0 or args.save_every < 1 or args.batch_size < 1 or args.log_every < 1:
-        p.error("--steps must be >= 0; --save-every, --batch-size and --log-every >= 1")
     return args
 
 
@@ -176,9 +189,25 @@ def _inject_fault(ckpt_dir: str, step: int, log: _Log) -> None:
 
 def _load(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer,
           sampler: ResumableSampler, device: torch.device, log: _Log) -> int:  # fmt: skip
-    """Restore the newest checkpoint on every rank; return its step (0 without one)."""
-    step = int(_backend(args).load(args, model, opt, sampler, device, log))
+    """Restore the newest checkpoint on every rank; return its step (0 without one).
+
+    Loading nothing where committed steps exist raises on every rank instead of returning 0:
+    training from step 0 would overwrite them (`refimpl._train_resume`)."""
+    skipped: list[str] = []
+
+    def on_skip(step_dir: Path, why: str) -> None:
+        skipped.append(f"{step_dir.name}: {why}")
+        log(f"skipped {step_dir.name}: {why}")
+
+    step = int(_backend(args).load(args, model, opt, sampler, device, log, on_skip))
     if not step:
+        # Every rank decides from its own listing; one all-gather makes them stop together.
+        mine = refuse_fresh_start(args.ckpt_dir, args.sharded, skipped)
+        found: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(found, mine)
+        why = next((w for w in found if w), None)
+        if why:
+            raise RuntimeError(f"rank {dist.get_rank()}: {why}")
         log(f"no checkpoint in {args.ckpt_dir}: starting at step 0")
         return 0
     without = f" WITHOUT {'+'.join(args.no_restore)}" if args.no_restore else ""
@@ -203,6 +232,9 @@ def _shared_store_warning() -> str | None:
 
 def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device, log: _Log) -> int:
     """The loop: build, restore, train, save; return 0 when done or stopped by SIGTERM."""
+    if args.fail_at_step is not None and args.fail_rank >= world:  # world is known only now
+        raise ValueError(f"rank {rank}: --fail-rank {args.fail_rank} is not a rank of this "
+                         f"world of {world}: pass 0..{world - 1}, or -1 for the last")  # fmt: skip
     if world > 1:
         barrier_safe(timeout_s=args.save_timeout)  # creates the save-wait group, once, now
     ddp: torch.nn.Module
