@@ -28,7 +28,8 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from refimpl import __version__
 from refimpl._dcp_metadata import SHARD_NAME_RE, UnsafeMetadata, check_metadata
-from refimpl._manifest import MAX_MANIFEST_BYTES
+from refimpl._manifest import MAX_MANIFEST_BYTES, loadable_name
+from refimpl._regular_file import is_regular, open_regular, read_regular
 from refimpl.atomic import COMMIT_MARKER, DIGESTS, _fsync, atomic_write
 from refimpl.checkpoint import _STEP_RE, DIGEST, MANIFEST, CheckpointError, list_checkpoints
 
@@ -147,7 +148,7 @@ def digest_files(directory: Path, names: Iterable[str]) -> dict[str, dict[str, A
     out: dict[str, dict[str, Any]] = {}
     for name in names:
         digest = DIGESTS[DIGEST]()
-        with open(directory / name, "rb") as f:
+        with os.fdopen(open_regular(directory / name), "rb") as f:  # no FIFO, device, link
             _fsync(f.fileno())
             while chunk := f.read(_CHUNK):
                 digest.update(chunk)
@@ -175,11 +176,14 @@ def write_manifest(
 def _parse(raw: bytes) -> dict[str, tuple[int, str]]:
     if len(raw) > MAX_MANIFEST_BYTES:
         raise ValueError(f"{len(raw)} bytes, larger than any manifest refimpl writes")
-    manifest = json.loads(raw)
+    try:
+        manifest = json.loads(raw)
+    except RecursionError as exc:
+        raise ValueError("nested too deeply to be a manifest") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        got = manifest.get("format") if isinstance(manifest, dict) else manifest
+        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise ValueError(
-            f"format {got!r}, not {FORMAT!r}: not a sharded step (refimpl.checkpoint's "
+            f"format {str(got)[:100]!r}, not {FORMAT!r}: not a sharded step (refimpl.checkpoint's "
             "load_latest reads the single-file kind)"
         )
     files = manifest.get("files")
@@ -188,7 +192,7 @@ def _parse(raw: bytes) -> dict[str, tuple[int, str]]:
     out: dict[str, tuple[int, str]] = {}
     for name, entry in files.items():
         if not (name == METADATA or SHARD_NAME_RE.fullmatch(name)):
-            raise ValueError(f"lists {name!r}, which is not a DCP file name")
+            raise ValueError(f"lists {name[:100]!r}, which is not a DCP file name")
         size = entry.get("bytes") if isinstance(entry, dict) else None
         digest = entry.get(DIGEST) if isinstance(entry, dict) else None
         valid_digest = isinstance(digest, str) and _HEX_RE.fullmatch(digest)
@@ -198,32 +202,68 @@ def _parse(raw: bytes) -> dict[str, tuple[int, str]]:
     return out
 
 
+def read_manifest(step_dir: Path) -> tuple[dict[str, Any], dict[str, tuple[int, str]]]:
+    """The step's manifest and its ``{file: (bytes, digest)}``; `CheckpointError` if unusable.
+
+    Read with `read_regular`: a FIFO or a link to a device named ``MANIFEST.json`` is refused
+    at once instead of blocking the loader.
+    """
+    manifest_path = step_dir / MANIFEST
+    try:
+        raw = read_regular(manifest_path, MAX_MANIFEST_BYTES)
+        expected = _parse(raw)
+        manifest: dict[str, Any] = json.loads(raw)
+    except OSError as exc:
+        raise CheckpointError(manifest_path, f"manifest missing or unreadable ({exc})") from exc
+    except (KeyboardInterrupt, SystemExit, MemoryError):
+        raise
+    except Exception as exc:  # ValueError, or whatever else a crafted manifest provokes
+        raise CheckpointError(manifest_path, f"manifest refused ({exc})") from exc
+    return manifest, expected
+
+
 def verify_step(step_dir: Path) -> dict[str, Any]:
     """Check a sharded step without unpickling anything DCP-made; return its manifest.
 
-    Marker, manifest (format, plain DCP file names only), exactly the listed files present,
-    each file's size and xxh3-128 digest, and finally ``.metadata`` through the allowlist
-    unpickler (`check_metadata`), which also checks that every item points inside a listed
-    shard. Raises `CheckpointError` naming the step or file and the first problem.
+    Marker, manifest (format, plain DCP file names only), every listed file present and no
+    unlisted file that a loader would read (``*.distcp``, ``*.metadata``, ``*.pt``: other
+    strays such as ``.DS_Store`` are ignored), each file's size and xxh3-128 digest, and
+    finally ``.metadata`` through the allowlist unpickler (`check_metadata`), which also
+    checks that every item points inside a listed shard. Raises `CheckpointError` naming the
+    step or file and the first problem; any other error a crafted step provokes becomes one.
     """
-    if not (step_dir / COMMIT_MARKER).is_file():
-        raise CheckpointError(step_dir, f"incomplete: no {COMMIT_MARKER} marker (save unfinished)")
-    manifest_path = step_dir / MANIFEST
     try:
-        raw = manifest_path.read_bytes()
-        expected = _parse(raw)
-        present = {p.name for p in step_dir.iterdir()} - {MANIFEST, COMMIT_MARKER}
-    except (OSError, ValueError, AttributeError) as exc:
-        raise CheckpointError(manifest_path, f"manifest missing or unreadable ({exc})") from exc
-    if present != set(expected):
-        extra, missing = sorted(present - set(expected)), sorted(set(expected) - present)
+        return _verify_step(step_dir)
+    except CheckpointError:
+        raise
+    except (KeyboardInterrupt, SystemExit, MemoryError):
+        raise
+    except Exception as exc:
         raise CheckpointError(
-            step_dir, f"files differ from the manifest: extra {extra}, missing {missing}"
+            step_dir, f"cannot be verified ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def _verify_step(step_dir: Path) -> dict[str, Any]:
+    if not is_regular(step_dir / COMMIT_MARKER):
+        raise CheckpointError(step_dir, f"incomplete: no {COMMIT_MARKER} marker (save unfinished)")
+    manifest, expected = read_manifest(step_dir)
+    try:
+        present = {p.name for p in step_dir.iterdir()} - {MANIFEST, COMMIT_MARKER}
+    except OSError as exc:
+        raise CheckpointError(step_dir, f"cannot be listed ({exc})") from exc
+    missing = sorted(set(expected) - present)
+    unlisted = sorted(n for n in present - set(expected) if loadable_name(n))
+    if missing or unlisted:
+        found = f"found {unlisted}, which the manifest does not list" if unlisted else ""
+        gone = f"missing {missing}, which the manifest lists" if missing else ""
+        raise CheckpointError(
+            step_dir, f"files differ from the manifest: {'; '.join(w for w in (found, gone) if w)}"
         )
     for name, (nbytes, digest) in sorted(expected.items()):
         path = step_dir / name
         try:
-            if not path.is_file() or path.is_symlink():
+            if not is_regular(path):
                 raise CheckpointError(path, "not a regular file (listed in the manifest)")
             size = path.stat().st_size
             if size != nbytes:
@@ -234,13 +274,14 @@ def verify_step(step_dir: Path) -> dict[str, Any]:
             raise CheckpointError(path, f"cannot be read ({exc})") from exc
     sizes = {name: size for name, (size, _d) in expected.items() if name != METADATA}
     try:
-        check_metadata(step_dir / METADATA, sizes)
+        check_metadata(step_dir / METADATA, sizes, expect=expected[METADATA])
     except (UnsafeMetadata, OSError) as exc:
         raise CheckpointError(step_dir / METADATA, f"refused before DCP opened it: {exc}") from exc
-    manifest: dict[str, Any] = json.loads(raw)
     named = _STEP_RE.fullmatch(step_dir.name)
     if type(manifest.get("step")) is not int or (named and int(named[1]) != manifest["step"]):
-        raise CheckpointError(manifest_path, f"says step {manifest.get('step')!r}, not this one")
+        raise CheckpointError(
+            step_dir / MANIFEST, f"says step {manifest.get('step')!r}, not this one"
+        )
     return manifest
 
 
@@ -264,7 +305,7 @@ def choose_step(path: Path, below: int | None = None) -> Choice:
         if below is not None and step >= below:
             continue
         try:
-            verify_step(step_dir)
+            verify_step(step_dir)  # every error inside becomes a CheckpointError: a skip
             return step, str(step_dir), skipped, None, False
         except CheckpointError as exc:
             skipped.append((str(step_dir), exc.reason if exc.path == step_dir else str(exc)))
