@@ -5,13 +5,17 @@ anything in the process and without blocking."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import errno
 import json
 import os
 import pathlib
 import pickle
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -22,7 +26,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from refimpl._sharded_commit import digest_files, write_manifest
 from refimpl.checkpoint import MANIFEST, load_latest, save_checkpoint
 from refimpl.demos.sharded import full_state, max_abs_diff
-from refimpl.sharded import consolidate, load_sharded, save_sharded
+from refimpl.sharded import ShardedCheckpointError, consolidate, load_sharded, save_sharded
 
 
 def _global(module: str, name: str) -> bytes:
@@ -204,3 +208,43 @@ def test_file_checkpoints_ignore_stray_files_too(tmp_path: Path) -> None:
     skipped: list[str] = []
     assert load_latest(tmp_path, on_skip=lambda _d, why: skipped.append(why)) is None
     assert "does not list ['optim.pt'], found in the step" in skipped[0]
+
+
+class _FullDisk:
+    """A DCP output stream on a disk with ``room`` bytes left: writes what fits, then ENOSPC."""
+
+    def __init__(self, stream: Any, room: int) -> None:
+        self._stream, self._room = stream, room
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        if len(view) > self._room:
+            self._stream.write(view[: self._room])
+            self._room = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self._room -= len(view)
+        return int(self._stream.write(view))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@pytest.mark.timeout(60)
+def test_a_full_disk_during_a_sharded_save_is_named(tmp_path: Path) -> None:
+    model = torch.nn.Linear(128, 128)  # a tensor larger than the stream's buffer
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    real = dcp_filesystem.FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def full_disk(self: Any, path: Any, mode: str) -> Iterator[Any]:
+        with real(self, path, mode) as stream:
+            yield _FullDisk(stream, 20_000) if mode == "wb" else stream
+
+    patch = mock.patch.object(dcp_filesystem.FileSystem, "create_stream", full_disk)
+    with patch, pytest.raises(ShardedCheckpointError) as info:
+        save_sharded(tmp_path, model, opt, 1)
+    text = str(info.value)  # before: "rank 0: RuntimeError: ... unexpected pos 704 vs 598)"
+    assert "rank 0: OSError: [Errno 28] No space left on device; " in text, text
+    assert "bytes free on the filesystem of" in text and "unexpected pos" in text
+    assert "Free some space" in text
+    assert list(tmp_path.iterdir()) == []

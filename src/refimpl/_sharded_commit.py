@@ -30,7 +30,15 @@ from refimpl import __version__
 from refimpl._dcp_metadata import SHARD_NAME_RE, UnsafeMetadata, check_metadata
 from refimpl._manifest import MAX_MANIFEST_BYTES, loadable_name
 from refimpl._regular_file import is_regular, open_regular, read_regular
-from refimpl.atomic import COMMIT_MARKER, DIGESTS, _fsync, atomic_write
+from refimpl.atomic import (
+    _DISK_FULL,
+    COMMIT_MARKER,
+    DIGESTS,
+    _advice,
+    _fsync,
+    _root_oserror,
+    atomic_write,
+)
 from refimpl.checkpoint import _STEP_RE, DIGEST, MANIFEST, CheckpointError, list_checkpoints
 
 FORMAT = "refimpl.sharded/1"
@@ -91,21 +99,48 @@ def dcp_failure(
         for failed_rank, (inner, _trace) in exc.failures.items():
             if failed_rank == rank and isinstance(inner, (KeyboardInterrupt, SystemExit)):
                 return inner
-        failures = {r: f"{type(e).__name__}: {e}" for r, (e, _t) in sorted(exc.failures.items())}
+        failures = {r: _describe(e, path) for r, (e, _t) in sorted(exc.failures.items())}
         detail = "; ".join(f"rank {r}: {text}" for r, text in failures.items())
         unsafe = any(isinstance(e, UnsafeItem) for e, _t in exc.failures.values())
         message = f"{what} failed on rank(s) {sorted(failures)} ({detail}). "
-        message += _UNSAFE_ADVICE if unsafe else advice
+        disk = [_root_oserror(e) for e, _t in exc.failures.values()]
+        disk_advice = next((_advice(e) for e in disk if e is not None), None)
+        message += _UNSAFE_ADVICE if unsafe else (disk_advice or advice)
         err = ShardedCheckpointError(path, message, rank=min(failures), failures=failures)
         err.unsafe = unsafe
         return err
     if isinstance(exc, (KeyboardInterrupt, SystemExit)) or not isinstance(exc, Exception):
         return exc
-    text = f"{type(exc).__name__}: {exc}"
+    text = _describe(exc, path)
     peer = any(s in text for s in _PEER_GONE)
     hint = " (another rank died or stopped answering: see its error)" if peer else ""
     message = f"{what} failed on rank {rank}{hint}: {text}. {advice}"
     return ShardedCheckpointError(path, message, rank=rank, failures={rank: text})
+
+
+def _describe(exc: BaseException, path: Path) -> str:
+    """``exc`` as text, naming the disk error behind it: torch.save's zip writer reports a
+    write that failed with ENOSPC as ``RuntimeError: unexpected pos 704 vs 598``, the
+    ``OSError`` being only its ``__context__`` (torch 2.13, caffe2 inline_container.cc)."""
+    text = f"{type(exc).__name__}: {exc}"
+    disk = _root_oserror(exc)
+    if disk is None:
+        return text
+    free = _free(path) if disk.errno in _DISK_FULL else ""
+    if disk is exc:
+        return text + free
+    return f"{type(disk).__name__}: {disk}{free} (torch reported it as {text})"
+
+
+def _free(path: Path) -> str:
+    """How much room is left where ``path`` lives, as a clause; empty if unknown."""
+    for where in (path, *path.parents):
+        try:
+            st = os.statvfs(where)
+        except OSError:
+            continue
+        return f"; {st.f_bavail * st.f_frsize} bytes free on the filesystem of {where}"
+    return ""
 
 
 @contextmanager
@@ -121,9 +156,9 @@ def dcp_errors(
     try:
         yield
     except BaseException as exc:
+        failure = dcp_failure(exc, path, what, rank, advice)  # free space before the clean-up
         if on_error is not None:
             on_error()
-        failure = dcp_failure(exc, path, what, rank, advice)
         if failure is exc:
             raise
         raise failure from exc
