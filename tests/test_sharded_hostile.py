@@ -23,10 +23,18 @@ from _sharded_models import fresh, trained
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
+import refimpl.sharded as sharded_module
 from refimpl._sharded_commit import digest_files, write_manifest
 from refimpl.checkpoint import MANIFEST, load_latest, save_checkpoint
-from refimpl.demos.sharded import full_state, max_abs_diff
-from refimpl.sharded import ShardedCheckpointError, consolidate, load_sharded, save_sharded
+from refimpl.demos.sharded import full_state, max_abs_diff, train
+from refimpl.launch import spawn
+from refimpl.sharded import (
+    ShardedCheckpointError,
+    consolidate,
+    load_sharded,
+    save_sharded,
+    verify_sharded,
+)
 
 
 def _global(module: str, name: str) -> bytes:
@@ -248,3 +256,71 @@ def test_a_full_disk_during_a_sharded_save_is_named(tmp_path: Path) -> None:
     assert "bytes free on the filesystem of" in text and "unexpected pos" in text
     assert "Free some space" in text
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(120)
+def test_each_rank_verifies_the_shards_it_reads(tmp_path: Path) -> None:
+    from _sharded_workers import shard_changed_after_rank0_checked
+
+    results = spawn(
+        shard_changed_after_rank0_checked, 2, str(tmp_path), timeout_s=100, pg_timeout_s=30
+    )
+    for rank, (step, diff, skipped) in enumerate(results):
+        # before: step 2 loaded on both ranks, rank 1 with the changed bytes
+        assert step == 1 and diff == 0.0, (rank, step, skipped)
+        assert len(skipped) == 1 and skipped[0].startswith("step_00000002: "), skipped
+        assert "rank 1: ShardMismatch: __1_0.distcp has" in skipped[0], skipped
+        assert (
+            "the manifest rank 0 verified says" in skipped[0] and "Nothing was loaded" in skipped[0]
+        )
+
+
+@pytest.mark.timeout(60)
+def test_what_is_loaded_is_what_was_verified_in_one_process(tmp_path: Path) -> None:
+    model, opt = trained()
+    save_sharded(tmp_path, model, opt, 1)
+    train(model, opt, range(3, 5))
+    step2 = save_sharded(tmp_path, model, opt, 2)
+    verified = dict(verify_sharded(step2)["files"])
+    shard_file = step2 / "__0_0.distcp"
+    data = bytearray(shard_file.read_bytes())
+    data[len(data) // 2] ^= 0x10  # after the check: a plain re-read would load this silently
+    real = sharded_module.choose_step
+
+    def verify_then_change(path: Path, below: int | None = None) -> Any:
+        chosen = real(path, below)
+        if chosen[1] == str(step2):
+            shard_file.write_bytes(bytes(data))
+        return chosen
+
+    target, target_opt = fresh()
+    skipped: dict[str, str] = {}
+    with mock.patch.object(sharded_module, "choose_step", verify_then_change):
+        step = load_sharded(
+            tmp_path, target, target_opt, on_skip=lambda d, w: skipped.__setitem__(d.name, w)
+        )
+    assert step == 1, skipped
+    assert "ShardMismatch: __0_0.distcp" in skipped["step_00000002"]
+    assert verified["__0_0.distcp"]["xxh3_128"] in skipped["step_00000002"]
+    reference, reference_opt = trained()
+    assert max_abs_diff(full_state(target, target_opt), full_state(reference, reference_opt)) == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_model_with_a_layer_removed_or_added_is_refused(tmp_path: Path) -> None:
+    model, opt = trained()
+    save_sharded(tmp_path, model, opt, 1)
+    fewer = torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.Tanh())
+    before = {k: v.clone() for k, v in fewer.state_dict().items()}
+    with pytest.raises(ShardedCheckpointError) as info:
+        load_sharded(tmp_path, fewer)  # before: returned 1, dropping layer 2 silently
+    assert "unexpected key(s) in the checkpoint ['model.2.bias', 'model.2.weight']" in str(
+        info.value
+    )
+    assert not info.value.unsafe  # the model is wrong, not the step: no fallback
+    assert all(torch.equal(v, before[k]) for k, v in fewer.state_dict().items())
+    more = torch.nn.Sequential(*trained()[0], torch.nn.Linear(6, 6))
+    with pytest.raises(
+        ShardedCheckpointError, match=r"missing from the checkpoint \['model.3.bias'"
+    ):
+        load_sharded(tmp_path, more)

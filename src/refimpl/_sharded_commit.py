@@ -8,10 +8,8 @@ disk. Nothing here talks to other ranks: `refimpl.sharded` does the collectives.
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import pickle
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -20,16 +18,12 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import (
-    DefaultLoadPlanner,
-    _EmptyStateDictLoadPlanner,
-)
-from torch.distributed.checkpoint.planner import ReadItem
 
 from refimpl import __version__
 from refimpl._dcp_metadata import SHARD_NAME_RE, UnsafeMetadata, check_metadata
 from refimpl._manifest import MAX_MANIFEST_BYTES, loadable_name
 from refimpl._regular_file import is_regular, open_regular, read_regular
+from refimpl._sharded_read import ShardMismatch, UnsafeItem
 from refimpl.atomic import (
     _DISK_FULL,
     COMMIT_MARKER,
@@ -69,11 +63,9 @@ class ShardedCheckpointError(CheckpointError):
         super().__init__(path, message)
         self.rank = rank
         self.failures = dict(failures or {})
-        self.unsafe = False  # True when the step was refused as hostile, not as broken
-
-
-class UnsafeItem(ValueError):
-    """A non-tensor item of a shard file is a pickle that is not weights-only."""
+        # True when the step was refused before anything was loaded (hostile, or its files
+        # differ from the verified manifest on some rank): load_sharded then falls back.
+        self.unsafe = False
 
 
 SAVE_ADVICE = (
@@ -82,6 +74,10 @@ SAVE_ADVICE = (
 )
 LOAD_ADVICE = "Check that the model and optimizer are built as they were when this was saved"
 _UNSAFE_ADVICE = "Refused as unsafe: restore the step from a copy you trust, never load it plainly"
+_MISMATCH_ADVICE = (
+    "Nothing was loaded: the file changed after rank 0 verified it, or that rank's node sees "
+    "another copy (node-local disk, a cache); make every node see the same step"
+)
 
 
 def dcp_failure(
@@ -101,13 +97,15 @@ def dcp_failure(
                 return inner
         failures = {r: _describe(e, path) for r, (e, _t) in sorted(exc.failures.items())}
         detail = "; ".join(f"rank {r}: {text}" for r, text in failures.items())
-        unsafe = any(isinstance(e, UnsafeItem) for e, _t in exc.failures.values())
+        errors = [e for e, _t in exc.failures.values()]
+        hostile = any(isinstance(e, UnsafeItem) for e in errors)
+        mismatch = any(isinstance(e, ShardMismatch) for e in errors)
         message = f"{what} failed on rank(s) {sorted(failures)} ({detail}). "
-        disk = [_root_oserror(e) for e, _t in exc.failures.values()]
-        disk_advice = next((_advice(e) for e in disk if e is not None), None)
-        message += _UNSAFE_ADVICE if unsafe else (disk_advice or advice)
+        disk_advice = next((_advice(d) for d in map(_root_oserror, errors) if d), None)
+        message += _UNSAFE_ADVICE if hostile else _MISMATCH_ADVICE if mismatch else ""
+        message += "" if hostile or mismatch else (disk_advice or advice)
         err = ShardedCheckpointError(path, message, rank=min(failures), failures=failures)
-        err.unsafe = unsafe
+        err.unsafe = hostile or mismatch
         return err
     if isinstance(exc, (KeyboardInterrupt, SystemExit)) or not isinstance(exc, Exception):
         return exc
@@ -320,9 +318,14 @@ def _verify_step(step_dir: Path) -> dict[str, Any]:
     return manifest
 
 
-Choice = tuple[int | None, str | None, list[tuple[str, str]], str | None, bool]
+Expected = dict[str, tuple[int, str]]
+Choice = tuple[int | None, str | None, list[tuple[str, str]], str | None, bool, Expected]
 """What rank 0 tells every rank to load: ``(step, step dir, [(skipped dir, why)], fatal
-error, whether ``path`` named one step)``."""
+error, whether ``path`` named one step, the verified manifest's {file: (bytes, digest)})``."""
+
+
+def _expected(manifest: Mapping[str, Any]) -> Expected:
+    return {name: (e["bytes"], e[DIGEST]) for name, e in manifest["files"].items()}
 
 
 def choose_step(path: Path, below: int | None = None) -> Choice:
@@ -331,61 +334,24 @@ def choose_step(path: Path, below: int | None = None) -> Choice:
         try:
             manifest = verify_step(path)
         except CheckpointError as exc:
-            return None, None, [], f"{exc}. Pass the checkpoint directory to fall back", True
-        return int(manifest["step"]), str(path), [], None, True
+            return None, None, [], f"{exc}. Pass the checkpoint directory to fall back", True, {}
+        return int(manifest["step"]), str(path), [], None, True, _expected(manifest)
     if path.exists() and not path.is_dir():
-        return None, None, [], f"{path} is not a directory; pass the checkpoint directory", False
+        return (
+            None,
+            None,
+            [],
+            f"{path} is not a directory; pass the checkpoint directory",
+            False,
+            {},
+        )
     skipped: list[tuple[str, str]] = []
     for step, step_dir in reversed(list_checkpoints(path)):
         if below is not None and step >= below:
             continue
         try:
-            verify_step(step_dir)  # every error inside becomes a CheckpointError: a skip
-            return step, str(step_dir), skipped, None, False
+            manifest = verify_step(step_dir)  # every error inside is a CheckpointError: a skip
+            return step, str(step_dir), skipped, None, False, _expected(manifest)
         except CheckpointError as exc:
             skipped.append((str(step_dir), exc.reason if exc.path == step_dir else str(exc)))
-    return None, None, skipped, None, False
-
-
-def _weights_only(read_item: ReadItem, value: io.BytesIO) -> Any:
-    try:
-        return torch.load(value, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
-        asks = f"it asks for {found.group(1)}" if found else str(exc).strip()[:200]
-        raise UnsafeItem(
-            f"refused item {read_item.dest_index.fqn!r}: its pickle is not weights-only and "
-            f"could run code ({asks})"
-        ) from exc
-
-
-class _WeightsOnlyBytes:
-    """``load_bytes`` with ``weights_only=True``: DCP's default planner unpickles non-tensor
-    items (optimizer hyper-parameters, ...) with ``torch.load(weights_only=False)``."""
-
-    flatten_state_dict: bool
-    original_state_dict: Any
-    mappings: Any
-    state_dict: Any
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        from torch.distributed.checkpoint._traverse import set_element
-
-        obj = _weights_only(read_item, value)
-        fqn = read_item.dest_index.fqn
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
-        else:
-            self.state_dict[fqn] = obj
-
-
-class WeightsOnlyLoadPlanner(_WeightsOnlyBytes, DefaultLoadPlanner):
-    """DCP's default load planner, except that non-tensor items load weights-only."""
-
-
-class WeightsOnlyEmptyPlanner(_WeightsOnlyBytes, _EmptyStateDictLoadPlanner):
-    """The planner ``dcp_to_torch_save`` uses (rebuilds the whole state), weights-only;
-    ``keys`` limits it to those top-level keys."""
-
-    def __init__(self, keys: list[str] | None = None) -> None:
-        _EmptyStateDictLoadPlanner.__init__(self, keys)  # type: ignore[no-untyped-call]
+    return None, None, skipped, None, False, {}

@@ -47,14 +47,19 @@ from refimpl._sharded_async import AsyncSaveHandle, AsyncSaver, default_saver
 from refimpl._sharded_commit import (
     LOAD_ADVICE,
     METADATA,
+    Expected,
     ShardedCheckpointError,
-    WeightsOnlyEmptyPlanner,
-    WeightsOnlyLoadPlanner,
     choose_step,
     dcp_errors,
     verify_step,
 )
 from refimpl._sharded_group import Group, commit_step, discard, prepare_step, quiet_no_dist
+from refimpl._sharded_read import (
+    VerifyingReader,
+    WeightsOnlyEmptyPlanner,
+    WeightsOnlyLoadPlanner,
+    check_keys,
+)
 from refimpl.atomic import atomic_save
 from refimpl.checkpoint import CheckpointError, _as_step
 
@@ -181,38 +186,46 @@ def _plain_tensors(extra: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
 def _load_step(
     group: Group,
     step_dir: Path,
+    expected: Expected,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
     extra: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    """Every rank checks ``.metadata``, then DCP loads weights-only and the state is set."""
+    """Every rank checks ``.metadata`` (the bytes rank 0 verified) and the model's keys, then
+    DCP loads weights-only through a `VerifyingReader` and the state is set."""
+    sizes = {name: size for name, (size, _d) in expected.items() if name != METADATA}
+    metadata = None
     try:
-        check_metadata(step_dir / METADATA)
+        metadata = check_metadata(step_dir / METADATA, sizes, expect=expected.get(METADATA))
         mine = None
     except (UnsafeMetadata, OSError) as exc:
         mine = f"rank {group.rank}: {exc}"
     refused = [why for why in group.gather(mine) if why]
-    if refused:
+    if refused or metadata is None:
         err = ShardedCheckpointError(
             step_dir / METADATA, f"refused before DCP opened it: {'; '.join(refused)}"
         )
         err.unsafe = True
         raise err
-    with dcp_errors(step_dir, f"load of {step_dir.name}", group.rank, LOAD_ADVICE):
+    what = f"load of {step_dir.name}"
+    with dcp_errors(step_dir, what, group.rank, LOAD_ADVICE):
         if optimizer is None:
             state: dict[str, Any] = {"model": get_model_state_dict(model)}
         else:
             msd, osd = get_state_dict(model, optimizer)
             state = {"model": msd, "optim": osd}
-        if extra is not None:
-            state["extra"] = _plain_tensors(extra)  # DCP copies into these tensors in place
-        with quiet_no_dist(group):
-            dcp_load(
-                state,
-                storage_reader=FileSystemReader(step_dir),
-                planner=WeightsOnlyLoadPlanner(),
-                **group.dcp_kwargs(),
-            )
+    misfit = check_keys(metadata, state["model"])  # the same on every rank: all raise
+    if misfit is not None:
+        raise ShardedCheckpointError(step_dir, f"{misfit}. {LOAD_ADVICE}", rank=group.rank)
+    if extra is not None:
+        state["extra"] = _plain_tensors(extra)  # DCP copies into these tensors in place
+    with dcp_errors(step_dir, what, group.rank, LOAD_ADVICE), quiet_no_dist(group):
+        dcp_load(
+            state,
+            storage_reader=VerifyingReader(step_dir, expected, metadata),
+            planner=WeightsOnlyLoadPlanner(),
+            **group.dcp_kwargs(),
+        )
         if optimizer is None:
             set_model_state_dict(model, state["model"])
         else:
@@ -254,7 +267,7 @@ def load_sharded(
     below: int | None = None
     while True:
         chosen = choose_step(Path(path), below) if group.rank == 0 else None
-        step, step_dir_s, skipped, fatal, single = group.broadcast(chosen)
+        step, step_dir_s, skipped, fatal, single, expected = group.broadcast(chosen)
         for skipped_dir, why in skipped:
             report(Path(skipped_dir), why)
         if fatal is not None:
@@ -263,7 +276,7 @@ def load_sharded(
             logger.info("load_sharded: no verified step in %s: starting fresh", path)
             return None
         try:
-            _load_step(group, Path(step_dir_s), model, optimizer, extra)
+            _load_step(group, Path(step_dir_s), expected, model, optimizer, extra)
             return int(step)
         except ShardedCheckpointError as err:
             if single or not err.unsafe:
