@@ -44,15 +44,8 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from refimpl._dcp_metadata import UnsafeMetadata, check_metadata
 from refimpl._sharded_async import AsyncSaveHandle, AsyncSaver, default_saver
-from refimpl._sharded_commit import (
-    LOAD_ADVICE,
-    METADATA,
-    Expected,
-    ShardedCheckpointError,
-    choose_step,
-    dcp_errors,
-    verify_step,
-)
+from refimpl._sharded_commit import METADATA, Expected, choose_step, verify_step
+from refimpl._sharded_errors import LOAD_ADVICE, ShardedCheckpointError, dcp_errors
 from refimpl._sharded_group import Group, commit_step, discard, prepare_step, quiet_no_dist
 from refimpl._sharded_read import (
     VerifyingReader,
@@ -248,14 +241,17 @@ def load_sharded(
     Collective. ``path`` is a checkpoint directory (steps are tried newest first; each one
     that is incomplete, corrupt or hostile is skipped and reported through ``on_skip(step_dir,
     reason)``, by default a warning logged on rank 0) or one ``step_N`` directory (loaded or
-    refused, no fallback). Rank 0 verifies the manifest and every digest, each rank checks
-    ``.metadata`` with the allowlist unpickler, and only then does ``dcp.load`` read, with
-    non-tensor items loaded weights-only (one that is not is refused, and the next older
-    step tried); ``set_state_dict`` puts the result in place. The world size may differ
-    from the one that saved: DCP reshards. Returns the step loaded, or None when there is
-    none (a fresh start). A step that verifies but does not fit the model raises
-    `ShardedCheckpointError`. ``extra``: tensors shaped like those given to `save_sharded`'s
-    ``extra``, overwritten in place with the saved values.
+    refused, no fallback). Rank 0 verifies the manifest and every digest; each rank checks
+    ``.metadata`` (the verified bytes) with the allowlist unpickler, and digests every shard
+    file it is about to read, from the open file DCP then reads (a file that changed after
+    rank 0's check, or differs on that rank's node, skips the step before anything is
+    loaded); ``dcp.load`` loads non-tensor items weights-only (one that is not is refused,
+    and the next older step tried); ``set_state_dict`` puts the result in place. The world
+    size may differ from the one that saved: DCP reshards. Returns the step loaded, or None
+    when there is none (a fresh start). A step whose model keys differ from the model's (a
+    layer removed or added), or that does not fit it otherwise, raises
+    `ShardedCheckpointError` naming the keys. ``extra``: tensors shaped like those given to
+    `save_sharded`'s ``extra``, overwritten in place with the saved values.
 
     Example::
 
