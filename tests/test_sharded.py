@@ -115,7 +115,7 @@ def test_load_falls_back_past_damaged_steps_and_says_why(tmp_path: Path) -> None
     shard4.write_bytes(bytes(data))
     meta3 = tmp_path / "step_00000003" / ".metadata"
     meta3.write_bytes(meta3.read_bytes()[:-10])
-    (tmp_path / "step_00000002" / "stray.bin").write_bytes(b"x")
+    (tmp_path / "step_00000002" / "__1_0.distcp").write_bytes(b"x")  # a shard nobody listed
     save_checkpoint(tmp_path / "other", {"model": model.state_dict()}, 9)  # the single-file kind
     os.rename(tmp_path / "other" / "step_00000009", tmp_path / "step_00000009")
 
@@ -131,7 +131,7 @@ def test_load_falls_back_past_damaged_steps_and_says_why(tmp_path: Path) -> None
     assert "no COMMITTED marker" in reasons["step_00000005"]
     assert "__0_0.distcp" in reasons["step_00000004"] and "xxh3_128" in reasons["step_00000004"]
     assert ".metadata" in reasons["step_00000003"] and "size" in reasons["step_00000003"]
-    assert "extra ['stray.bin']" in reasons["step_00000002"]
+    assert "found ['__1_0.distcp'], which the manifest does not list" in reasons["step_00000002"]
     assert max_abs_diff(target.state_dict(), model.state_dict()) == 0.0
 
     # A step directory named explicitly is loaded or refused, never swapped for another.

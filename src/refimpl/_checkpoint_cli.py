@@ -5,17 +5,26 @@
   steps: every committed step), else 1, naming the bad file and the reason;
 - ``inspect STEP_DIR``: keys, tensor shapes and dtypes, and the versions that wrote it.
 
-Nothing is unpickled before it verifies, and then only with ``weights_only=True``.
+Each step is checked as the kind its manifest says it is: a file checkpoint
+(`refimpl.checkpoint`, integer format) or a sharded one (`refimpl.sharded`, format
+``"refimpl.sharded/1"``). Nothing is unpickled before it verifies, and then only with
+``weights_only=True`` (a sharded step's ``.metadata``: through the allowlist unpickler).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from refimpl._manifest import MAX_MANIFEST_BYTES
+from refimpl._regular_file import read_regular
 from refimpl.atomic import COMMIT_MARKER
 from refimpl.checkpoint import (
     MANIFEST,
@@ -25,9 +34,36 @@ from refimpl.checkpoint import (
     verify_checkpoint,
 )
 
+SHARDED_FORMAT = "refimpl.sharded/1"  # refimpl._sharded_commit.FORMAT, without importing DCP
+
 
 def _size(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    """Bytes of the regular files under ``path``; links are not followed (a link to a large
+    file elsewhere, or to a directory outside the step, counts nothing)."""
+    total = 0
+    for top, _dirs, files in os.walk(path):  # os.walk does not descend into linked dirs
+        for name in files:
+            st = os.lstat(os.path.join(top, name))
+            total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return total
+
+
+def _is_sharded(step_dir: Path) -> bool:
+    """Whether the step's manifest says it is a sharded (DCP) step; False if unreadable (the
+    file-checkpoint verifier then names the problem)."""
+    try:
+        manifest = json.loads(read_regular(step_dir / MANIFEST, MAX_MANIFEST_BYTES))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == SHARDED_FORMAT
+
+
+def _verifier(step_dir: Path) -> Callable[[Path], dict[str, Any]]:
+    if _is_sharded(step_dir):
+        from refimpl._sharded_commit import verify_step
+
+        return verify_step
+    return verify_checkpoint
 
 
 def _human(n: float) -> str:
@@ -52,7 +88,7 @@ def _cmd_list(path: Path) -> int:
     bad = 0
     for step, step_dir in steps:
         try:
-            verify_checkpoint(step_dir)
+            _verifier(step_dir)(step_dir)
             status = "verified"
         except CheckpointError as exc:
             status, bad = f"BAD: {exc.reason}", bad + 1
@@ -68,7 +104,7 @@ def _cmd_verify(path: Path) -> int:
     failed = 0
     for _, step_dir in targets:
         try:
-            manifest = verify_checkpoint(step_dir)
+            manifest = _verifier(step_dir)(step_dir)
             print(f"OK   {step_dir}: {len(manifest['files'])} files verified")
         except CheckpointError as exc:
             failed += 1
@@ -95,10 +131,39 @@ def _describe(value: Any, prefix: str, lines: list[str], limit: int = 40) -> Non
         lines.append(f"{prefix}: {type(value).__name__} {value!r:.60}")
 
 
+def _sharded_lines(step_dir: Path) -> dict[str, list[str]]:
+    """Keys, shapes and dtypes of a verified sharded step, from its ``.metadata`` alone."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from refimpl._dcp_metadata import check_metadata
+
+    out: dict[str, list[str]] = {}
+    for fqn, item in check_metadata(step_dir / ".metadata").state_dict_metadata.items():
+        top = fqn.split(".", 1)[0]
+        if isinstance(item, TensorStorageMetadata):
+            dtype = str(item.properties.dtype).split(".")[-1]
+            shards = f", {len(item.chunks)} shards" if len(item.chunks) > 1 else ""
+            text = f"{fqn}: tensor {tuple(item.size)} {dtype}{shards}"
+        else:
+            text = f"{fqn}: object (read weights-only on load)"
+        out.setdefault(top, []).append(text)
+    return out
+
+
 def _cmd_inspect(path: Path) -> int:
     try:
-        manifest = verify_checkpoint(path)
-        state = load_checkpoint(path)
+        if _is_sharded(path):
+            from refimpl._sharded_commit import verify_step
+
+            manifest = verify_step(path)
+            described = _sharded_lines(path)
+        else:
+            manifest = verify_checkpoint(path)
+            described = {}
+            for key, value in load_checkpoint(path).items():
+                lines: list[str] = []
+                _describe(value, key, lines)
+                described[key] = lines
     except CheckpointError as exc:
         print(f"BAD  {exc.path}: {exc.reason}")
         return 1
@@ -106,9 +171,7 @@ def _cmd_inspect(path: Path) -> int:
         f"{path}: step {manifest.get('step')}, format {manifest.get('format')}, "
         f"torch {manifest.get('torch', '?')}, refimpl {manifest.get('refimpl', '?')}"
     )
-    for key, value in state.items():
-        lines: list[str] = []
-        _describe(value, key, lines)
+    for lines in described.values():
         for line in lines:
             print(f"  {line}")
     return 0

@@ -34,8 +34,18 @@ _CONTAINERS = (dict, collections.OrderedDict, list, tuple, set)
 _TORCH_VALUES = (torch.Size, torch.dtype, torch.device)
 
 
+LOADABLE_SUFFIXES = (".pt", ".distcp", ".metadata")
+"""Names a loader reads (``torch.save`` files, DCP shards and metadata): an unlisted one in a
+step is refused; any other stray file (``.DS_Store``, an editor's swap file) is ignored."""
+
+
 class ManifestError(ValueError):
     """The manifest is malformed; the message says how."""
+
+
+def loadable_name(name: str) -> bool:
+    """Whether a file called ``name`` in a step directory is one a loader would read."""
+    return name.endswith(LOADABLE_SUFFIXES)
 
 
 def find_unloadable(value: Any, where: str = "state", depth: int = 0) -> str | None:
@@ -108,8 +118,9 @@ def parse(path: Path, raw: bytes, present: set[str]) -> dict[str, tuple[int, str
     """The manifest's ``{file: (bytes, algorithm, digest)}``, or `ManifestError` saying why not.
 
     ``present`` is the set of data files in the step directory (everything but the manifest
-    and the commit marker): the manifest must list every one of them, so a file that a forged
-    or damaged manifest leaves out cannot silently drop a key from the loaded state.
+    and the commit marker): the manifest must list every one of them that a loader would read
+    (`loadable_name`), so a file that a forged or damaged manifest leaves out cannot silently
+    drop a key from the loaded state; other stray files (``.DS_Store``, ``x.swp``) are ignored.
     """
     if len(raw) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{len(raw)} bytes, larger than any manifest refimpl writes")
@@ -146,9 +157,13 @@ def parse(path: Path, raw: bytes, present: set[str]) -> dict[str, tuple[int, str
         if not (isinstance(digest, str) and _HEX_RE.fullmatch(digest)):
             raise ManifestError(f"digest of {name} is {digest!r}, not a hex string")
         expected[name] = (size, algorithms[0], digest)
-    extra = present - set(expected)  # (files it lists but that are missing: named by the caller)
+    # (files it lists but that are missing: named by the caller)
+    extra = sorted(n for n in present - set(expected) if loadable_name(n))
     if extra:
-        raise ManifestError(f"does not list {sorted(extra)}: the state would load incomplete")
+        raise ManifestError(
+            f"does not list {extra}, found in the step: the state would load incomplete "
+            "(a file written there by hand? move it out of the step directory)"
+        )
     return expected
 
 

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import async_save
 from torch.distributed.tensor import DTensor
 
-from refimpl._sharded_commit import dcp_errors
+from refimpl._sharded_errors import dcp_errors
 from refimpl._sharded_group import Group, commit_step, discard, prepare_step
 
 

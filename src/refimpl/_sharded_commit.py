@@ -1,4 +1,4 @@
-"""The disk side of `refimpl.sharded`: digests, the manifest, verification, safe reading.
+"""The disk side of `refimpl.sharded`: digests, the manifest, verification, the step to load.
 
 A sharded step directory is what ``dcp.save`` wrote (``.metadata`` and one or more
 ``__RANK_N.distcp`` files per rank) plus refimpl's ``MANIFEST.json`` (size and xxh3-128 digest
@@ -8,28 +8,25 @@ disk. Nothing here talks to other ranks: `refimpl.sharded` does the collectives.
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import pickle
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import (
-    DefaultLoadPlanner,
-    _EmptyStateDictLoadPlanner,
-)
-from torch.distributed.checkpoint.planner import ReadItem
 
 from refimpl import __version__
 from refimpl._dcp_metadata import SHARD_NAME_RE, UnsafeMetadata, check_metadata
-from refimpl._manifest import MAX_MANIFEST_BYTES
-from refimpl.atomic import COMMIT_MARKER, DIGESTS, _fsync, atomic_write
+from refimpl._manifest import MAX_MANIFEST_BYTES, loadable_name
+from refimpl._regular_file import is_regular, open_regular, read_regular
+from refimpl.atomic import (
+    COMMIT_MARKER,
+    DIGESTS,
+    _fsync,
+    atomic_write,
+)
 from refimpl.checkpoint import _STEP_RE, DIGEST, MANIFEST, CheckpointError, list_checkpoints
 
 FORMAT = "refimpl.sharded/1"
@@ -37,95 +34,6 @@ FORMAT = "refimpl.sharded/1"
 METADATA = ".metadata"
 _HEX_RE = re.compile(r"[0-9a-f]{32}")
 _CHUNK = 1 << 20
-_PEER_GONE = ("Connection closed", "Connection reset", "timed out", "Timeout", "aborted")
-
-
-class ShardedCheckpointError(CheckpointError):
-    """A sharded save or load failed. ``path`` names the step or file; ``rank`` the rank that
-    failed first (None when it is not known); ``failures`` maps each failed rank to its error.
-
-    A `refimpl.checkpoint.CheckpointError`, hence an ``Exception``, unlike the
-    ``torch.distributed.checkpoint.api.CheckpointException`` (a ``BaseException`` in torch
-    2.13) it replaces, so a trainer's ``except Exception`` catches it.
-    """
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        message: str,
-        *,
-        rank: int | None = None,
-        failures: Mapping[int, str] | None = None,
-    ) -> None:
-        super().__init__(path, message)
-        self.rank = rank
-        self.failures = dict(failures or {})
-        self.unsafe = False  # True when the step was refused as hostile, not as broken
-
-
-class UnsafeItem(ValueError):
-    """A non-tensor item of a shard file is a pickle that is not weights-only."""
-
-
-SAVE_ADVICE = (
-    "Earlier steps are intact and this one was never published; fix the cause on the rank "
-    "named (its own error says more: disk space, permissions, a crash) and save again"
-)
-LOAD_ADVICE = "Check that the model and optimizer are built as they were when this was saved"
-_UNSAFE_ADVICE = "Refused as unsafe: restore the step from a copy you trust, never load it plainly"
-
-
-def dcp_failure(
-    exc: BaseException, path: Path, what: str, rank: int, advice: str = SAVE_ADVICE
-) -> BaseException:
-    """What to raise instead of ``exc``, an error out of ``dcp.save`` / ``dcp.load``.
-
-    DCP runs each rank's part inside ``except BaseException`` and re-raises every rank's
-    failure as one ``CheckpointException``, which ``except Exception`` does not catch. It
-    becomes a `ShardedCheckpointError` naming the ranks and ending with ``advice``; a Ctrl-C
-    (or SystemExit) of this rank stays what it was. A collective that failed because a peer
-    died is named as such.
-    """
-    if isinstance(exc, CheckpointException):
-        for failed_rank, (inner, _trace) in exc.failures.items():
-            if failed_rank == rank and isinstance(inner, (KeyboardInterrupt, SystemExit)):
-                return inner
-        failures = {r: f"{type(e).__name__}: {e}" for r, (e, _t) in sorted(exc.failures.items())}
-        detail = "; ".join(f"rank {r}: {text}" for r, text in failures.items())
-        unsafe = any(isinstance(e, UnsafeItem) for e, _t in exc.failures.values())
-        message = f"{what} failed on rank(s) {sorted(failures)} ({detail}). "
-        message += _UNSAFE_ADVICE if unsafe else advice
-        err = ShardedCheckpointError(path, message, rank=min(failures), failures=failures)
-        err.unsafe = unsafe
-        return err
-    if isinstance(exc, (KeyboardInterrupt, SystemExit)) or not isinstance(exc, Exception):
-        return exc
-    text = f"{type(exc).__name__}: {exc}"
-    peer = any(s in text for s in _PEER_GONE)
-    hint = " (another rank died or stopped answering: see its error)" if peer else ""
-    message = f"{what} failed on rank {rank}{hint}: {text}. {advice}"
-    return ShardedCheckpointError(path, message, rank=rank, failures={rank: text})
-
-
-@contextmanager
-def dcp_errors(
-    path: Path,
-    what: str,
-    rank: int,
-    advice: str = SAVE_ADVICE,
-    on_error: Callable[[], None] | None = None,
-) -> Iterator[None]:
-    """Run DCP work; on any failure call ``on_error`` (a save's clean-up), then raise what
-    `dcp_failure` makes of the error, chained to it (a Ctrl-C stays a Ctrl-C)."""
-    try:
-        yield
-    except BaseException as exc:
-        if on_error is not None:
-            on_error()
-        failure = dcp_failure(exc, path, what, rank, advice)
-        if failure is exc:
-            raise
-        raise failure from exc
 
 
 def own_shards(directory: Path, rank: int) -> list[str]:
@@ -147,7 +55,7 @@ def digest_files(directory: Path, names: Iterable[str]) -> dict[str, dict[str, A
     out: dict[str, dict[str, Any]] = {}
     for name in names:
         digest = DIGESTS[DIGEST]()
-        with open(directory / name, "rb") as f:
+        with os.fdopen(open_regular(directory / name), "rb") as f:  # no FIFO, device, link
             _fsync(f.fileno())
             while chunk := f.read(_CHUNK):
                 digest.update(chunk)
@@ -175,11 +83,14 @@ def write_manifest(
 def _parse(raw: bytes) -> dict[str, tuple[int, str]]:
     if len(raw) > MAX_MANIFEST_BYTES:
         raise ValueError(f"{len(raw)} bytes, larger than any manifest refimpl writes")
-    manifest = json.loads(raw)
+    try:
+        manifest = json.loads(raw)
+    except RecursionError as exc:
+        raise ValueError("nested too deeply to be a manifest") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        got = manifest.get("format") if isinstance(manifest, dict) else manifest
+        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise ValueError(
-            f"format {got!r}, not {FORMAT!r}: not a sharded step (refimpl.checkpoint's "
+            f"format {str(got)[:100]!r}, not {FORMAT!r}: not a sharded step (refimpl.checkpoint's "
             "load_latest reads the single-file kind)"
         )
     files = manifest.get("files")
@@ -188,7 +99,7 @@ def _parse(raw: bytes) -> dict[str, tuple[int, str]]:
     out: dict[str, tuple[int, str]] = {}
     for name, entry in files.items():
         if not (name == METADATA or SHARD_NAME_RE.fullmatch(name)):
-            raise ValueError(f"lists {name!r}, which is not a DCP file name")
+            raise ValueError(f"lists {name[:100]!r}, which is not a DCP file name")
         size = entry.get("bytes") if isinstance(entry, dict) else None
         digest = entry.get(DIGEST) if isinstance(entry, dict) else None
         valid_digest = isinstance(digest, str) and _HEX_RE.fullmatch(digest)
@@ -198,32 +109,68 @@ def _parse(raw: bytes) -> dict[str, tuple[int, str]]:
     return out
 
 
+def read_manifest(step_dir: Path) -> tuple[dict[str, Any], dict[str, tuple[int, str]]]:
+    """The step's manifest and its ``{file: (bytes, digest)}``; `CheckpointError` if unusable.
+
+    Read with `read_regular`: a FIFO or a link to a device named ``MANIFEST.json`` is refused
+    at once instead of blocking the loader.
+    """
+    manifest_path = step_dir / MANIFEST
+    try:
+        raw = read_regular(manifest_path, MAX_MANIFEST_BYTES)
+        expected = _parse(raw)
+        manifest: dict[str, Any] = json.loads(raw)
+    except OSError as exc:
+        raise CheckpointError(manifest_path, f"manifest missing or unreadable ({exc})") from exc
+    except (KeyboardInterrupt, SystemExit, MemoryError):
+        raise
+    except Exception as exc:  # ValueError, or whatever else a crafted manifest provokes
+        raise CheckpointError(manifest_path, f"manifest refused ({exc})") from exc
+    return manifest, expected
+
+
 def verify_step(step_dir: Path) -> dict[str, Any]:
     """Check a sharded step without unpickling anything DCP-made; return its manifest.
 
-    Marker, manifest (format, plain DCP file names only), exactly the listed files present,
-    each file's size and xxh3-128 digest, and finally ``.metadata`` through the allowlist
-    unpickler (`check_metadata`), which also checks that every item points inside a listed
-    shard. Raises `CheckpointError` naming the step or file and the first problem.
+    Marker, manifest (format, plain DCP file names only), every listed file present and no
+    unlisted file that a loader would read (``*.distcp``, ``*.metadata``, ``*.pt``: other
+    strays such as ``.DS_Store`` are ignored), each file's size and xxh3-128 digest, and
+    finally ``.metadata`` through the allowlist unpickler (`check_metadata`), which also
+    checks that every item points inside a listed shard. Raises `CheckpointError` naming the
+    step or file and the first problem; any other error a crafted step provokes becomes one.
     """
-    if not (step_dir / COMMIT_MARKER).is_file():
-        raise CheckpointError(step_dir, f"incomplete: no {COMMIT_MARKER} marker (save unfinished)")
-    manifest_path = step_dir / MANIFEST
     try:
-        raw = manifest_path.read_bytes()
-        expected = _parse(raw)
-        present = {p.name for p in step_dir.iterdir()} - {MANIFEST, COMMIT_MARKER}
-    except (OSError, ValueError, AttributeError) as exc:
-        raise CheckpointError(manifest_path, f"manifest missing or unreadable ({exc})") from exc
-    if present != set(expected):
-        extra, missing = sorted(present - set(expected)), sorted(set(expected) - present)
+        return _verify_step(step_dir)
+    except CheckpointError:
+        raise
+    except (KeyboardInterrupt, SystemExit, MemoryError):
+        raise
+    except Exception as exc:
         raise CheckpointError(
-            step_dir, f"files differ from the manifest: extra {extra}, missing {missing}"
+            step_dir, f"cannot be verified ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def _verify_step(step_dir: Path) -> dict[str, Any]:
+    if not is_regular(step_dir / COMMIT_MARKER):
+        raise CheckpointError(step_dir, f"incomplete: no {COMMIT_MARKER} marker (save unfinished)")
+    manifest, expected = read_manifest(step_dir)
+    try:
+        present = {p.name for p in step_dir.iterdir()} - {MANIFEST, COMMIT_MARKER}
+    except OSError as exc:
+        raise CheckpointError(step_dir, f"cannot be listed ({exc})") from exc
+    missing = sorted(set(expected) - present)
+    unlisted = sorted(n for n in present - set(expected) if loadable_name(n))
+    if missing or unlisted:
+        found = f"found {unlisted}, which the manifest does not list" if unlisted else ""
+        gone = f"missing {missing}, which the manifest lists" if missing else ""
+        raise CheckpointError(
+            step_dir, f"files differ from the manifest: {'; '.join(w for w in (found, gone) if w)}"
         )
     for name, (nbytes, digest) in sorted(expected.items()):
         path = step_dir / name
         try:
-            if not path.is_file() or path.is_symlink():
+            if not is_regular(path):
                 raise CheckpointError(path, "not a regular file (listed in the manifest)")
             size = path.stat().st_size
             if size != nbytes:
@@ -234,19 +181,25 @@ def verify_step(step_dir: Path) -> dict[str, Any]:
             raise CheckpointError(path, f"cannot be read ({exc})") from exc
     sizes = {name: size for name, (size, _d) in expected.items() if name != METADATA}
     try:
-        check_metadata(step_dir / METADATA, sizes)
+        check_metadata(step_dir / METADATA, sizes, expect=expected[METADATA])
     except (UnsafeMetadata, OSError) as exc:
         raise CheckpointError(step_dir / METADATA, f"refused before DCP opened it: {exc}") from exc
-    manifest: dict[str, Any] = json.loads(raw)
     named = _STEP_RE.fullmatch(step_dir.name)
     if type(manifest.get("step")) is not int or (named and int(named[1]) != manifest["step"]):
-        raise CheckpointError(manifest_path, f"says step {manifest.get('step')!r}, not this one")
+        raise CheckpointError(
+            step_dir / MANIFEST, f"says step {manifest.get('step')!r}, not this one"
+        )
     return manifest
 
 
-Choice = tuple[int | None, str | None, list[tuple[str, str]], str | None, bool]
+Expected = dict[str, tuple[int, str]]
+Choice = tuple[int | None, str | None, list[tuple[str, str]], str | None, bool, Expected]
 """What rank 0 tells every rank to load: ``(step, step dir, [(skipped dir, why)], fatal
-error, whether ``path`` named one step)``."""
+error, whether ``path`` named one step, the verified manifest's {file: (bytes, digest)})``."""
+
+
+def _expected(manifest: Mapping[str, Any]) -> Expected:
+    return {name: (e["bytes"], e[DIGEST]) for name, e in manifest["files"].items()}
 
 
 def choose_step(path: Path, below: int | None = None) -> Choice:
@@ -255,61 +208,24 @@ def choose_step(path: Path, below: int | None = None) -> Choice:
         try:
             manifest = verify_step(path)
         except CheckpointError as exc:
-            return None, None, [], f"{exc}. Pass the checkpoint directory to fall back", True
-        return int(manifest["step"]), str(path), [], None, True
+            return None, None, [], f"{exc}. Pass the checkpoint directory to fall back", True, {}
+        return int(manifest["step"]), str(path), [], None, True, _expected(manifest)
     if path.exists() and not path.is_dir():
-        return None, None, [], f"{path} is not a directory; pass the checkpoint directory", False
+        return (
+            None,
+            None,
+            [],
+            f"{path} is not a directory; pass the checkpoint directory",
+            False,
+            {},
+        )
     skipped: list[tuple[str, str]] = []
     for step, step_dir in reversed(list_checkpoints(path)):
         if below is not None and step >= below:
             continue
         try:
-            verify_step(step_dir)
-            return step, str(step_dir), skipped, None, False
+            manifest = verify_step(step_dir)  # every error inside is a CheckpointError: a skip
+            return step, str(step_dir), skipped, None, False, _expected(manifest)
         except CheckpointError as exc:
             skipped.append((str(step_dir), exc.reason if exc.path == step_dir else str(exc)))
-    return None, None, skipped, None, False
-
-
-def _weights_only(read_item: ReadItem, value: io.BytesIO) -> Any:
-    try:
-        return torch.load(value, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
-        asks = f"it asks for {found.group(1)}" if found else str(exc).strip()[:200]
-        raise UnsafeItem(
-            f"refused item {read_item.dest_index.fqn!r}: its pickle is not weights-only and "
-            f"could run code ({asks})"
-        ) from exc
-
-
-class _WeightsOnlyBytes:
-    """``load_bytes`` with ``weights_only=True``: DCP's default planner unpickles non-tensor
-    items (optimizer hyper-parameters, ...) with ``torch.load(weights_only=False)``."""
-
-    flatten_state_dict: bool
-    original_state_dict: Any
-    mappings: Any
-    state_dict: Any
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        from torch.distributed.checkpoint._traverse import set_element
-
-        obj = _weights_only(read_item, value)
-        fqn = read_item.dest_index.fqn
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
-        else:
-            self.state_dict[fqn] = obj
-
-
-class WeightsOnlyLoadPlanner(_WeightsOnlyBytes, DefaultLoadPlanner):
-    """DCP's default load planner, except that non-tensor items load weights-only."""
-
-
-class WeightsOnlyEmptyPlanner(_WeightsOnlyBytes, _EmptyStateDictLoadPlanner):
-    """The planner ``dcp_to_torch_save`` uses (rebuilds the whole state), weights-only;
-    ``keys`` limits it to those top-level keys."""
-
-    def __init__(self, keys: list[str] | None = None) -> None:
-        _EmptyStateDictLoadPlanner.__init__(self, keys)  # type: ignore[no-untyped-call]
+    return None, None, skipped, None, False, {}

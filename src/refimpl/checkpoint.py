@@ -34,8 +34,17 @@ from typing import IO, Any
 import torch
 
 from refimpl import __version__
-from refimpl._manifest import FORMAT, KEY_RE, ManifestError, find_unloadable, fix_for, parse
+from refimpl._manifest import (
+    FORMAT,
+    KEY_RE,
+    MAX_MANIFEST_BYTES,
+    ManifestError,
+    find_unloadable,
+    fix_for,
+    parse,
+)
 from refimpl._publish import publish_dir, restore_asides
+from refimpl._regular_file import read_regular
 from refimpl._write_errors import advice, root_oserror
 from refimpl.atomic import (
     COMMIT_MARKER,
@@ -134,11 +143,13 @@ def _verify(step_dir: Path) -> dict[str, Any]:
         raise CheckpointError(step_dir, f"incomplete: no {COMMIT_MARKER} marker (save unfinished)")
     manifest_path = step_dir / MANIFEST
     try:
-        raw = manifest_path.read_bytes()
+        raw = read_regular(manifest_path, MAX_MANIFEST_BYTES)  # a FIFO there must not block
         present = {p.name for p in step_dir.iterdir()} - {MANIFEST, COMMIT_MARKER}
         expected = parse(manifest_path, raw, present)
-    except (OSError, ManifestError) as exc:
+    except OSError as exc:
         raise CheckpointError(manifest_path, f"manifest missing or unreadable ({exc})") from exc
+    except ManifestError as exc:
+        raise CheckpointError(manifest_path, f"manifest refused ({exc})") from exc
     for name, (nbytes, algorithm, digest) in sorted(expected.items()):
         path = step_dir / name
         if not path.is_file() or path.is_symlink():

@@ -44,17 +44,15 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from refimpl._dcp_metadata import UnsafeMetadata, check_metadata
 from refimpl._sharded_async import AsyncSaveHandle, AsyncSaver, default_saver
-from refimpl._sharded_commit import (
-    LOAD_ADVICE,
-    METADATA,
-    ShardedCheckpointError,
+from refimpl._sharded_commit import METADATA, Expected, choose_step, verify_step
+from refimpl._sharded_errors import LOAD_ADVICE, ShardedCheckpointError, dcp_errors
+from refimpl._sharded_group import Group, commit_step, discard, prepare_step, quiet_no_dist
+from refimpl._sharded_read import (
+    VerifyingReader,
     WeightsOnlyEmptyPlanner,
     WeightsOnlyLoadPlanner,
-    choose_step,
-    dcp_errors,
-    verify_step,
+    check_keys,
 )
-from refimpl._sharded_group import Group, commit_step, discard, prepare_step, quiet_no_dist
 from refimpl.atomic import atomic_save
 from refimpl.checkpoint import CheckpointError, _as_step
 
@@ -181,38 +179,46 @@ def _plain_tensors(extra: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
 def _load_step(
     group: Group,
     step_dir: Path,
+    expected: Expected,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
     extra: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    """Every rank checks ``.metadata``, then DCP loads weights-only and the state is set."""
+    """Every rank checks ``.metadata`` (the bytes rank 0 verified) and the model's keys, then
+    DCP loads weights-only through a `VerifyingReader` and the state is set."""
+    sizes = {name: size for name, (size, _d) in expected.items() if name != METADATA}
+    metadata = None
     try:
-        check_metadata(step_dir / METADATA)
+        metadata = check_metadata(step_dir / METADATA, sizes, expect=expected.get(METADATA))
         mine = None
     except (UnsafeMetadata, OSError) as exc:
         mine = f"rank {group.rank}: {exc}"
     refused = [why for why in group.gather(mine) if why]
-    if refused:
+    if refused or metadata is None:
         err = ShardedCheckpointError(
             step_dir / METADATA, f"refused before DCP opened it: {'; '.join(refused)}"
         )
         err.unsafe = True
         raise err
-    with dcp_errors(step_dir, f"load of {step_dir.name}", group.rank, LOAD_ADVICE):
+    what = f"load of {step_dir.name}"
+    with dcp_errors(step_dir, what, group.rank, LOAD_ADVICE):
         if optimizer is None:
             state: dict[str, Any] = {"model": get_model_state_dict(model)}
         else:
             msd, osd = get_state_dict(model, optimizer)
             state = {"model": msd, "optim": osd}
-        if extra is not None:
-            state["extra"] = _plain_tensors(extra)  # DCP copies into these tensors in place
-        with quiet_no_dist(group):
-            dcp_load(
-                state,
-                storage_reader=FileSystemReader(step_dir),
-                planner=WeightsOnlyLoadPlanner(),
-                **group.dcp_kwargs(),
-            )
+    misfit = check_keys(metadata, state["model"])  # the same on every rank: all raise
+    if misfit is not None:
+        raise ShardedCheckpointError(step_dir, f"{misfit}. {LOAD_ADVICE}", rank=group.rank)
+    if extra is not None:
+        state["extra"] = _plain_tensors(extra)  # DCP copies into these tensors in place
+    with dcp_errors(step_dir, what, group.rank, LOAD_ADVICE), quiet_no_dist(group):
+        dcp_load(
+            state,
+            storage_reader=VerifyingReader(step_dir, expected, metadata),
+            planner=WeightsOnlyLoadPlanner(),
+            **group.dcp_kwargs(),
+        )
         if optimizer is None:
             set_model_state_dict(model, state["model"])
         else:
@@ -235,14 +241,17 @@ def load_sharded(
     Collective. ``path`` is a checkpoint directory (steps are tried newest first; each one
     that is incomplete, corrupt or hostile is skipped and reported through ``on_skip(step_dir,
     reason)``, by default a warning logged on rank 0) or one ``step_N`` directory (loaded or
-    refused, no fallback). Rank 0 verifies the manifest and every digest, each rank checks
-    ``.metadata`` with the allowlist unpickler, and only then does ``dcp.load`` read, with
-    non-tensor items loaded weights-only (one that is not is refused, and the next older
-    step tried); ``set_state_dict`` puts the result in place. The world size may differ
-    from the one that saved: DCP reshards. Returns the step loaded, or None when there is
-    none (a fresh start). A step that verifies but does not fit the model raises
-    `ShardedCheckpointError`. ``extra``: tensors shaped like those given to `save_sharded`'s
-    ``extra``, overwritten in place with the saved values.
+    refused, no fallback). Rank 0 verifies the manifest and every digest; each rank checks
+    ``.metadata`` (the verified bytes) with the allowlist unpickler, and digests every shard
+    file it is about to read, from the open file DCP then reads (a file that changed after
+    rank 0's check, or differs on that rank's node, skips the step before anything is
+    loaded); ``dcp.load`` loads non-tensor items weights-only (one that is not is refused,
+    and the next older step tried); ``set_state_dict`` puts the result in place. The world
+    size may differ from the one that saved: DCP reshards. Returns the step loaded, or None
+    when there is none (a fresh start). A step whose model keys differ from the model's (a
+    layer removed or added), or that does not fit it otherwise, raises
+    `ShardedCheckpointError` naming the keys. ``extra``: tensors shaped like those given to
+    `save_sharded`'s ``extra``, overwritten in place with the saved values.
 
     Example::
 
@@ -254,7 +263,7 @@ def load_sharded(
     below: int | None = None
     while True:
         chosen = choose_step(Path(path), below) if group.rank == 0 else None
-        step, step_dir_s, skipped, fatal, single = group.broadcast(chosen)
+        step, step_dir_s, skipped, fatal, single, expected = group.broadcast(chosen)
         for skipped_dir, why in skipped:
             report(Path(skipped_dir), why)
         if fatal is not None:
@@ -263,7 +272,7 @@ def load_sharded(
             logger.info("load_sharded: no verified step in %s: starting fresh", path)
             return None
         try:
-            _load_step(group, Path(step_dir_s), model, optimizer, extra)
+            _load_step(group, Path(step_dir_s), expected, model, optimizer, extra)
             return int(step)
         except ShardedCheckpointError as err:
             if single or not err.unsafe:
