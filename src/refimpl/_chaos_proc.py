@@ -158,7 +158,9 @@ def run_once(
         proc.wait()
         for t in threads:
             t.join(timeout=5)
-        if proc.stdout is not None:
+        # A reader still blocked means a process that escaped every net holds the pipe open;
+        # closing the pipe would wait for that read, so the thread is left (a daemon) instead.
+        if proc.stdout is not None and not threads[0].is_alive():
             proc.stdout.close()
     run.seconds = time.monotonic() - start
     return run
@@ -166,6 +168,7 @@ def run_once(
 
 def kill_run(root: int, token: str) -> None:
     """SIGKILL the command, its process group, its descendants and every marked process."""
+    pids = [root, *descendants(root), *marked(token)]  # before a kill re-parents them to init
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(root, signal.SIGKILL)
-    signal_all([root, *descendants(root), *marked(token)], signal.SIGKILL)
+    signal_all(pids, signal.SIGKILL)
