@@ -55,6 +55,18 @@ _LEAVES_ORPHAN = """
 """
 
 
+# A stand-in for torchrun whose restart hangs: one "worker" with RANK=1; if it dies by a
+# signal, the launcher never finishes.
+_HANGS_ON_RESTART = """
+    import json, os, struct, subprocess, sys, time
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"],
+                              env={**os.environ, "RANK": "1"})
+    print("started", flush=True)
+    if worker.wait() != 0:
+        time.sleep(120)
+"""
+
+
 @pytest.mark.timeout(600)
 def test_correct_trainer_passes_every_scenario_and_leaves_no_process(tmp_path: Path) -> None:
     tag = uuid.uuid4().hex
@@ -128,6 +140,16 @@ def test_no_process_left_behind_by_a_job_killed_and_rerun(tmp_path: Path) -> Non
 
 
 @pytest.mark.timeout(60)
+def test_trainer_hanging_after_the_kill_is_a_failed_row(tmp_path: Path) -> None:
+    code = _HANGS_ON_RESTART + _LEAVES_ORPHAN.split("time.sleep(0.5)")[1]
+    rows = run_chaos(_py(code), kill_on="^started$", compare="w.safetensors",
+                     scenarios=["kill-rank1"], timeout_s=5, work=tmp_path)  # fmt: skip
+    assert [(r.scenario, r.landed, r.equal) for r in rows] == [("kill-rank1", "started", False)]
+    assert rows[0].difference is not None
+    assert rows[0].difference.startswith("still running after the timeout"), rows[0].difference
+
+
+@pytest.mark.timeout(60)
 def test_cli_exit_status_and_message(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
     cmd = [sys.executable, "-m", "refimpl.chaos", "--kill-on", "nope", "--compare", "w.pt",
@@ -152,6 +174,9 @@ def test_comparison_is_bit_for_bit_and_names_the_key(tmp_path: Path) -> None:
     assert signed == "x: max abs diff 0"  # equal as numbers, different bits
     assert first_difference({"x": 1}, {}) == "x: missing (the reference has it)"
     assert first_difference({}, {"y": 1}) == "y: not in the reference"
+    (tmp_path / "bad.safetensors").write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"bad\.safetensors does not load: SafetensorError"):
+        load_flat(tmp_path / "bad.safetensors")
 
 
 @pytest.mark.timeout(60)

@@ -24,12 +24,20 @@ def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def load_flat(path: str | Path) -> dict[str, Any]:
-    """A ``.safetensors`` file, or a torch file loaded with ``weights_only=True``, flattened."""
-    if str(path).endswith(".safetensors"):
-        from safetensors.torch import load_file
+    """A ``.safetensors`` file, or a torch file loaded with ``weights_only=True``, flattened.
 
-        return flatten(load_file(str(path)))
-    return flatten(torch.load(path, map_location="cpu", weights_only=True))
+    A missing file raises `OSError`; one that does not load, `ValueError` naming the path.
+    """
+    try:
+        if str(path).endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            return flatten(load_file(str(path)))
+        return flatten(torch.load(path, map_location="cpu", weights_only=True))
+    except OSError:
+        raise
+    except Exception as exc:  # safetensors' own error type, pickle's, torch's: all "unreadable"
+        raise ValueError(f"{path} does not load: {type(exc).__name__}: {exc}") from exc
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

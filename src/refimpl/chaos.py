@@ -104,7 +104,7 @@ def _check_started(run: Run, what: str, regex: str, flag: str, timeout_s: float)
     """Raise `ChaosError` unless the action fired (the run before any kill went wrong)."""
     if run.action_error is not None:
         raise ChaosError(f"{what}: at the line {run.fired!r}: {run.action_error}")
-    if run.returncode is None:
+    if run.returncode is None and run.fired is None:  # a hang after the kill is the row's
         raise ChaosError(f"{what}: still running after --timeout {timeout_s:g} s; killed. "
                          f"Its last lines:\n{_tail(run.lines)}")  # fmt: skip
     if run.fired is None and run.returncode != 0:
@@ -168,8 +168,10 @@ def run_chaos(
         ref = launch("reference", kill_re)
         _check_started(ref, "the reference run", kill_on, "--kill-on", timeout_s)
         if ref.returncode != 0:
-            raise ChaosError(f"the reference run (no kill) exited {ref.returncode}. Its last "
-                             f"lines:\n{_tail(ref.lines)}")  # fmt: skip
+            how = (f"ran past --timeout {timeout_s:g} s" if ref.returncode is None
+                   else f"exited {ref.returncode}")  # fmt: skip
+            raise ChaosError(f"the reference run (no kill) {how}. Its last lines:\n"
+                             f"{_tail(ref.lines)}")  # fmt: skip
         if save_re is not None and not any(save_re.search(ln) for ln in ref.lines):
             raise ChaosError(f"the reference run printed no line matching --save-on "
                              f"{save_on!r}. Its last lines:\n{_tail(ref.lines)}")  # fmt: skip
