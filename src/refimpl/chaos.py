@@ -136,9 +136,10 @@ def run_chaos(
     relative to ``{out}``; ``kill_on``/``save_on``/``resume_on`` are regular expressions
     searched in each output line. ``work`` is where the ``{out}`` directories go (kept;
     default a temporary directory, removed); ``env`` is added to this process's environment
-    for the command; ``log`` gets one line per finished run. Raises `ChaosError` when the
-    test cannot be run (see its docstring); a trainer that fails to recover is a row with
-    ``equal=False``, not an error.
+    for the command, which also gets ``PYTHONUNBUFFERED=1`` (its lines arrive as printed) and
+    a marker that finds its processes; ``log`` gets one line per finished run. Raises
+    `ChaosError` when the test cannot be run (see its docstring); a trainer that fails to
+    recover (a wrong result, a failed or hung restart) is a row with ``equal=False``.
     """
     if unknown := [s for s in scenarios if s not in SCENARIOS]:
         raise ChaosError(f"unknown scenarios {unknown} (known: {', '.join(SCENARIOS)})")
