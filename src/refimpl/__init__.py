@@ -17,6 +17,8 @@ One concept per module; each matches a chapter of the book:
   async saves (chapters 8-9)
 - `refimpl.train`: ``python -m refimpl.train``, a fault-tolerant trainer for torchrun
   (chapter 10)
+- `refimpl.chaos`: ``python -m refimpl.chaos``, the kill test for any trainer: kill it in
+  several ways, restart, compare its output bit for bit with an untouched run (chapter 10)
 - `refimpl.bench`: ``python -m refimpl.bench {allreduce,ddp,guard,reshard,save} --out DIR``
 
 `refimpl.demos` holds the book's demos (the workers a chapter's notebook spawns, the fault

@@ -1,0 +1,276 @@
+"""Chapter 10: the kill test for any trainer. Does it finish bit-identical after a kill?
+
+::
+
+    python -m refimpl.chaos --kill-on 'step 7 loss' --save-on 'saving step 10' \\
+        --compare final.pt --json chaos.json -- \\
+        torchrun --standalone --nproc-per-node=2 --max-restarts=2 my_train.py --out {out}
+
+The command runs once uninterrupted (the reference), then once per scenario, each time with
+``{out}`` (anywhere in its arguments) replaced by a fresh directory:
+
+- ``kill-rank1``: SIGKILL the worker whose environment has ``RANK=1`` at the first line
+  matching ``--kill-on``; torchrun restarts the workers (give it ``--max-restarts``);
+- ``kill-rank0-save``: SIGKILL rank 0 at the first line matching ``--save-on`` (print one
+  just before a save starts, so the kill lands in it); only with ``--save-on``;
+- ``kill-job``: SIGKILL every process of the command at ``--kill-on``, then run it again;
+- ``sigterm-job``: SIGTERM every worker at ``--kill-on`` (a preemption), then run it again.
+
+Then ``FILE`` (relative to ``{out}``; a ``torch.save`` file, loaded weights-only, or a
+``.safetensors`` file) of each scenario is compared with the reference's, tensor by tensor and
+bit for bit; the exit status is 0 only when every scenario matches. Workers are found through
+``/proc`` (Linux). The command runs with ``PYTHONUNBUFFERED=1``, so its lines arrive as they
+are printed and a kill lands where its line says. Every run has a ``--timeout``, and every
+process a run started is killed when it ends. The trainer must be deterministic for a given
+seed (the reference run is compared with runs on the same machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from refimpl._chaos_compare import first_difference, load_flat
+from refimpl._chaos_proc import Action, Run, kill_run, run_once, signal_all, workers
+
+__all__ = ["SCENARIOS", "ChaosError", "ChaosRow", "format_table", "main", "run_chaos"]
+
+SCENARIOS = ("kill-rank1", "kill-rank0-save", "kill-job", "sigterm-job")
+"""The scenarios `run_chaos` runs, in order (``kill-rank0-save`` only with ``save_on``)."""
+_RERUN = ("kill-job", "sigterm-job")  # the job is gone: recovery is running the command again
+
+
+class ChaosError(RuntimeError):
+    """The test itself could not be run: the command failed before any kill, a regex never
+    matched, a run timed out, or no worker with the wanted ``RANK`` was found."""
+
+
+@dataclass
+class ChaosRow:
+    """One scenario's result: where the kill landed (the matched line), worker restarts seen
+    (starts of rank 0 after the first, across the scenario's runs), the first line matching
+    ``resume_on`` after the kill, whether ``FILE`` is bit-identical to the reference's, and
+    if not the first differing key with its max abs difference (or what went wrong)."""
+
+    scenario: str
+    landed: str
+    restarts: int
+    resume: str | None
+    equal: bool
+    difference: str | None
+    seconds: float
+
+
+def _tail(lines: Sequence[str], n: int = 15) -> str:
+    return "\n".join(f"    {ln}" for ln in lines[-n:]) or "    (no output)"
+
+
+def _kill_rank(rank: int, sig: int) -> Action:
+    def act(root: int, token: str) -> str | None:
+        pid = workers(root).get(rank)
+        if pid is None:
+            return (f"no process with RANK={rank} among the command's descendants: is it a "
+                    "torchrun (or similar launcher) with at least two workers?")  # fmt: skip
+        signal_all([pid], sig)
+        return None
+
+    return act
+
+
+def _kill_job(root: int, token: str) -> str | None:
+    kill_run(root, token)
+    return None
+
+
+def _sigterm_workers(root: int, token: str) -> str | None:
+    found = workers(root)
+    if not found:
+        return "no process with RANK=... among the command's descendants: who is a worker?"
+    signal_all(list(found.values()), signal.SIGTERM)
+    return None
+
+
+def _check_started(run: Run, what: str, regex: str, flag: str, timeout_s: float) -> None:
+    """Raise `ChaosError` unless the action fired (the run before any kill went wrong)."""
+    if run.action_error is not None:
+        raise ChaosError(f"{what}: at the line {run.fired!r}: {run.action_error}")
+    if run.returncode is None and run.fired is None:  # a hang after the kill is the row's
+        raise ChaosError(f"{what}: still running after --timeout {timeout_s:g} s; killed. "
+                         f"Its last lines:\n{_tail(run.lines)}")  # fmt: skip
+    if run.fired is None and run.returncode != 0:
+        raise ChaosError(f"{what}: the command failed (exit code {run.returncode}) before "
+                         f"the kill: no line had matched {flag} {regex!r} yet. Its last "
+                         f"lines:\n{_tail(run.lines)}")  # fmt: skip
+    if run.fired is None:
+        raise ChaosError(f"{what}: the run finished (exit code 0) without a line matching "
+                         f"{flag} {regex!r}, so nothing was killed. Pick a line the trainer "
+                         f"prints mid-run. Its last lines:\n{_tail(run.lines)}")  # fmt: skip
+
+
+def run_chaos(
+    cmd: Sequence[str],
+    *,
+    kill_on: str,
+    compare: str,
+    save_on: str | None = None,
+    resume_on: str = r"(?i)resum",
+    scenarios: Sequence[str] = SCENARIOS,
+    timeout_s: float = 300.0,
+    work: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> list[ChaosRow]:
+    """Run the reference, then each scenario of ``scenarios``; return one `ChaosRow` each.
+
+    ``cmd`` is the command line with ``{out}`` in it; ``compare`` the file to compare,
+    relative to ``{out}``; ``kill_on``/``save_on``/``resume_on`` are regular expressions
+    searched in each output line. ``work`` is where the ``{out}`` directories go (kept;
+    default a temporary directory, removed); ``env`` is added to this process's environment
+    for the command, which also gets ``PYTHONUNBUFFERED=1`` (its lines arrive as printed) and
+    a marker that finds its processes; ``log`` gets one line per finished run. Raises
+    `ChaosError` when the test cannot be run (see its docstring); a trainer that fails to
+    recover (a wrong result, a failed or hung restart) is a row with ``equal=False``.
+    """
+    if unknown := [s for s in scenarios if s not in SCENARIOS]:
+        raise ChaosError(f"unknown scenarios {unknown} (known: {', '.join(SCENARIOS)})")
+    if not any("{out}" in a for a in cmd):
+        raise ChaosError("the command has no {out}: where would each run write?")
+    try:
+        kill_re, save_re, resume_re = (re.compile(r) if r else None
+                                       for r in (kill_on, save_on, resume_on))  # fmt: skip
+    except re.error as exc:
+        raise ChaosError(f"not a regular expression: {exc.pattern!r} ({exc})") from exc
+    base = Path(work) if work is not None else Path(tempfile.mkdtemp(prefix="chaos-"))
+    if work is not None and base.exists() and any(base.iterdir()):
+        raise ChaosError(f"--work {base} is not empty: pick an empty or new directory")
+    full_env = {**os.environ, **(env or {})}
+    say = log or (lambda _: None)
+
+    def launch(name: str, trigger: re.Pattern[str] | None = None,
+               action: Action | None = None) -> Run:  # fmt: skip
+        out = base / name
+        out.mkdir(parents=True, exist_ok=True)
+        run = run_once([a.replace("{out}", str(out)) for a in cmd], env=full_env,
+                       timeout_s=timeout_s, trigger=trigger, action=action)  # fmt: skip
+        say(f"{name}: exit code {run.returncode}, {run.seconds:.1f} s")
+        return run
+
+    try:
+        ref = launch("reference", kill_re)
+        _check_started(ref, "the reference run", kill_on, "--kill-on", timeout_s)
+        if ref.returncode != 0:
+            how = (f"ran past --timeout {timeout_s:g} s" if ref.returncode is None
+                   else f"exited {ref.returncode}")  # fmt: skip
+            raise ChaosError(f"the reference run (no kill) {how}. Its last lines:\n"
+                             f"{_tail(ref.lines)}")  # fmt: skip
+        if save_re is not None and not any(save_re.search(ln) for ln in ref.lines):
+            raise ChaosError(f"the reference run printed no line matching --save-on "
+                             f"{save_on!r}. Its last lines:\n{_tail(ref.lines)}")  # fmt: skip
+        try:
+            reference = load_flat(base / "reference" / compare)
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise ChaosError(f"the reference run wrote no readable {compare} under {{out}} "
+                             f"({base / 'reference'}): {exc}") from exc  # fmt: skip
+        rows = []
+        for name in scenarios:
+            if name == "kill-rank0-save" and save_re is None:
+                continue
+            on_save = name == "kill-rank0-save"
+            action = {"kill-rank1": _kill_rank(1, signal.SIGKILL),
+                      "kill-rank0-save": _kill_rank(0, signal.SIGKILL),
+                      "kill-job": _kill_job, "sigterm-job": _sigterm_workers}[name]  # fmt: skip
+            runs = [launch(name, save_re if on_save else kill_re, action)]
+            flag, regex = ("--save-on", str(save_on)) if on_save else ("--kill-on", kill_on)
+            _check_started(runs[0], f"scenario {name}", regex, flag, timeout_s)
+            if name in _RERUN:
+                runs.append(launch(name))
+            rows.append(_row(name, runs, base / name / compare, reference, resume_re))
+        return rows
+    finally:
+        if work is None:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def _row(name: str, runs: list[Run], path: Path, reference: dict[str, object],
+         resume_re: re.Pattern[str] | None) -> ChaosRow:  # fmt: skip
+    """Judge one scenario: how its last run ended, then its FILE against the reference."""
+    first = runs[0]
+    assert first.fired_at is not None
+    after = first.lines[first.fired_at + 1 :] + [ln for r in runs[1:] for ln in r.lines]
+    resume = next((ln for ln in after if resume_re and resume_re.search(ln)), None)
+    starts = sum(len(r.rank0_pids) for r in runs)
+    last = runs[-1]
+    difference: str | None
+    if last.returncode is None:
+        difference = f"still running after the timeout (killed); last line: {_tail(last.lines, 1)}"
+    elif last.returncode != 0:
+        difference = f"exited {last.returncode} after the kill; last line: {_tail(last.lines, 1)}"
+    else:
+        try:
+            difference = first_difference(reference, load_flat(path))
+        except (OSError, RuntimeError, ValueError) as exc:
+            difference = f"no readable {path.name} after the kill ({exc})"
+    return ChaosRow(name, first.fired or "", max(starts - 1, 0), resume, difference is None,
+                    difference, round(sum(r.seconds for r in runs), 1))  # fmt: skip
+
+
+def format_table(rows: Sequence[ChaosRow]) -> str:
+    """The rows as a plain-text table: scenario, kill landed at, restarts, resume, result."""
+    head = ("scenario", "kill landed at", "restarts", "resume line", "result")
+    body = [(r.scenario, r.landed.strip()[:60], str(r.restarts), (r.resume or "-").strip()[:40],
+             "equal" if r.equal else f"DIFFERS: {r.difference}") for r in rows]  # fmt: skip
+    widths = [max(len(x[i]) for x in (head, *body)) for i in range(4)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, [*widths, 0], strict=True)).rstrip()
+                     for line in (head, *body))  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m refimpl.chaos [options] -- CMD...``: 0 when every scenario matches, 1 when
+    one differs, 2 when the test could not run (`ChaosError`, printed)."""
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in args_in:
+        args_in.append("--")
+    split = args_in.index("--")
+    p = argparse.ArgumentParser(prog="python -m refimpl.chaos", usage="%(prog)s [options] -- CMD",
+                                description=__doc__.split("\n")[0])  # fmt: skip
+    p.add_argument("--kill-on", required=True, help="regex: kill at the first line it matches")
+    p.add_argument("--save-on", help="regex: a line printed as a save starts (kill rank 0)")
+    p.add_argument("--compare", required=True, help="file under {out} to compare bit for bit")
+    p.add_argument("--resume-on", default=r"(?i)resum", help="regex of the trainer's resume line")
+    p.add_argument("--json", help="write the rows here as JSON")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    p.add_argument("--work", help="keep the runs' directories here (default: a temporary one)")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset")
+    args = p.parse_args(args_in[:split])
+    cmd = args_in[split + 1 :]
+    if not cmd:
+        p.error("no command: put it after --, with {out} where each run writes")
+    start = time.monotonic()
+    try:
+        rows = run_chaos(cmd, kill_on=args.kill_on, compare=args.compare, save_on=args.save_on,
+                         resume_on=args.resume_on, scenarios=args.scenarios.split(","),
+                         timeout_s=args.timeout, work=args.work,
+                         log=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
+    except ChaosError as exc:
+        print(f"chaos: {exc}", file=sys.stderr)
+        return 2
+    print(format_table(rows))
+    print(f"{sum(r.equal for r in rows)}/{len(rows)} scenarios bit-identical to the reference "
+          f"({time.monotonic() - start:.0f} s)")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+    return 0 if all(r.equal for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

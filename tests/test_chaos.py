@@ -1,0 +1,190 @@
+"""refimpl.chaos: the kill test passes a correct trainer, catches two broken ones by the
+differing key, says clearly when it cannot run, and leaves no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from refimpl._chaos_compare import first_difference, flatten, load_flat
+from refimpl.chaos import SCENARIOS, ChaosError, format_table, main, run_chaos
+from refimpl.demos.chaos_runs import chaos_toy
+
+
+def _tagged(tag: str) -> list[int]:
+    """Pids of live processes whose environment carries CHAOS_TEST_TAG=tag."""
+    needle = f"CHAOS_TEST_TAG={tag}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle in env and state != "Z":
+            found.append(int(entry))
+    return found
+
+
+def _py(code: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(code), "{out}"]
+
+
+# A stand-in for a trainer (no torch: starts in milliseconds). It leaves a grandchild in a
+# session of its own sleeping behind it, as torchrun's workers are, then writes w.safetensors.
+_LEAVES_ORPHAN = """
+    import json, struct, subprocess, sys, time, os
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                     start_new_session=True)
+    print("started", flush=True)
+    time.sleep(0.5)
+    head = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    with open(os.path.join(sys.argv[1], "w.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head + struct.pack("<f", 1.0))
+"""
+
+
+# A stand-in for torchrun whose restart hangs: one "worker" with RANK=1; if it dies by a
+# signal, the launcher never finishes.
+_HANGS_ON_RESTART = """
+    import json, os, struct, subprocess, sys, time
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"],
+                              env={**os.environ, "RANK": "1"})
+    print("started", flush=True)
+    if worker.wait() != 0:
+        time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(600)
+def test_correct_trainer_passes_every_scenario_and_leaves_no_process(tmp_path: Path) -> None:
+    tag = uuid.uuid4().hex
+    rows = chaos_toy("ok", timeout_s=150, work=tmp_path, env={"CHAOS_TEST_TAG": tag})
+    table = format_table(rows)
+    assert [r.scenario for r in rows] == list(SCENARIOS), table
+    assert all(r.equal and r.difference is None for r in rows), table
+    assert all(r.restarts >= 1 for r in rows), table  # every kill took the workers down
+    assert [r.landed for r in rows][1] == "saving step 12", table
+    assert all(r.resume and r.resume.startswith("resumed from step") for r in rows), table
+    assert _tagged(tag) == []
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("variant", ["no-rng", "no-sampler"])
+def test_trainer_that_forgets_state_fails_naming_the_key(variant: str, tmp_path: Path) -> None:
+    rows = chaos_toy(variant, scenarios=["kill-rank1"], timeout_s=150, work=tmp_path)
+    (row,) = rows
+    assert row.resume == "resumed from step 4", format_table(rows)
+    assert not row.equal
+    # the first layer's weights come first in the file and differ after a wrong resume
+    assert row.difference is not None
+    assert re.fullmatch(r"model\.0\.weight: max abs diff \S+", row.difference), row.difference
+    assert float(row.difference.rsplit(" ", 1)[1]) > 0
+
+
+@pytest.mark.timeout(60)
+def test_regex_that_never_matches_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ChaosError) as err:
+        run_chaos(_py("print('hello from the trainer')"), kill_on="step 6 loss",
+                  compare="w.pt", timeout_s=30)  # fmt: skip
+    message = str(err.value)
+    assert "the reference run" in message
+    assert "without a line matching --kill-on 'step 6 loss'" in message
+    assert "hello from the trainer" in message  # its last lines are shown
+
+
+@pytest.mark.timeout(60)
+def test_command_failing_before_the_kill_is_a_clear_error() -> None:
+    code = "import sys; print('loading data... broken', flush=True); sys.exit(3)"
+    with pytest.raises(ChaosError) as err:
+        run_chaos(_py(code), kill_on="step 6", compare="w.pt", timeout_s=30)
+    message = str(err.value)
+    assert "failed (exit code 3) before the kill" in message
+    assert "loading data... broken" in message
+
+
+@pytest.mark.timeout(60)
+def test_run_past_its_timeout_is_killed_with_everything_it_started() -> None:
+    tag = uuid.uuid4().hex
+    code = """
+        import subprocess, sys, time
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                         start_new_session=True)
+        print("step 1", flush=True); time.sleep(120)
+    """
+    with pytest.raises(ChaosError, match=r"still running after --timeout 2 s"):
+        run_chaos(_py(code), kill_on="never", compare="w.pt", timeout_s=2,
+                  env={"CHAOS_TEST_TAG": tag})  # fmt: skip
+    assert _tagged(tag) == []
+
+
+@pytest.mark.timeout(60)
+def test_no_process_left_behind_by_a_job_killed_and_rerun(tmp_path: Path) -> None:
+    tag = uuid.uuid4().hex
+    rows = run_chaos(_py(_LEAVES_ORPHAN), kill_on="^started$", compare="w.safetensors",
+                     scenarios=["kill-job"], timeout_s=30, work=tmp_path,
+                     env={"CHAOS_TEST_TAG": tag})  # fmt: skip
+    assert [(r.scenario, r.landed, r.equal) for r in rows] == [("kill-job", "started", True)]
+    assert _tagged(tag) == []  # the reference's, the killed run's and the rerun's orphans
+
+
+@pytest.mark.timeout(60)
+def test_trainer_hanging_after_the_kill_is_a_failed_row(tmp_path: Path) -> None:
+    code = _HANGS_ON_RESTART + _LEAVES_ORPHAN.split("time.sleep(0.5)")[1]
+    rows = run_chaos(_py(code), kill_on="^started$", compare="w.safetensors",
+                     scenarios=["kill-rank1"], timeout_s=5, work=tmp_path)  # fmt: skip
+    assert [(r.scenario, r.landed, r.equal) for r in rows] == [("kill-rank1", "started", False)]
+    assert rows[0].difference is not None
+    assert rows[0].difference.startswith("still running after the timeout"), rows[0].difference
+
+
+@pytest.mark.timeout(60)
+def test_cli_exit_status_and_message(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    cmd = [sys.executable, "-m", "refimpl.chaos", "--kill-on", "nope", "--compare", "w.pt",
+           "--", *_py("print('hi')")]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=50)
+    assert done.returncode == 2, done.stderr
+    assert "without a line matching --kill-on 'nope'" in done.stderr
+    assert main(["--kill-on", "x", "--compare", "w.pt", "--json", str(tmp_path / "j"), "--",
+                 *_py(_LEAVES_ORPHAN)]) == 2  # fmt: skip
+    assert not (tmp_path / "j").exists()
+
+
+@pytest.mark.timeout(30)
+def test_comparison_is_bit_for_bit_and_names_the_key(tmp_path: Path) -> None:
+    ref = {"model": {"w": torch.ones(3), "b": [torch.zeros(2), 5]}, "step": 3}
+    torch.save(ref, tmp_path / "a.pt")
+    assert first_difference(load_flat(tmp_path / "a.pt"), flatten(ref)) is None
+    moved = {"model": {"w": torch.tensor([1.0, 1.5, 1.0]), "b": [torch.zeros(2), 5]}, "step": 3}
+    assert first_difference(flatten(ref), flatten(moved)) == "model.w: max abs diff 0.5"
+    assert first_difference(flatten(ref), flatten({**ref, "step": 4})) == "step: 3 vs 4"
+    signed = first_difference({"x": torch.tensor(0.0)}, {"x": torch.tensor(-0.0)})
+    assert signed == "x: max abs diff 0"  # equal as numbers, different bits
+    assert first_difference({"x": 1}, {}) == "x: missing (the reference has it)"
+    assert first_difference({}, {"y": 1}) == "y: not in the reference"
+    (tmp_path / "bad.safetensors").write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"bad\.safetensors does not load: SafetensorError"):
+        load_flat(tmp_path / "bad.safetensors")
+
+
+@pytest.mark.timeout(60)
+def test_json_rows_round_trip(tmp_path: Path) -> None:
+    rows = run_chaos(_py(_LEAVES_ORPHAN), kill_on="^started$", compare="w.safetensors",
+                     scenarios=["kill-job"], timeout_s=30)  # fmt: skip
+    out = tmp_path / "rows.json"
+    assert main(["--kill-on", "^started$", "--compare", "w.safetensors", "--scenarios",
+                 "kill-job", "--json", str(out), "--", *_py(_LEAVES_ORPHAN)]) == 0  # fmt: skip
+    saved = json.loads(out.read_text())
+    assert [(d["scenario"], d["equal"]) for d in saved] == [(r.scenario, r.equal) for r in rows]
