@@ -276,9 +276,9 @@ def test_split_restarts_reads_the_parts_of_r_from_both_logs() -> None:
     stdout = [
         "[rank0] @0.0 start: world 2, restart 1, device cpu",
         "[rank1] @0.0 start: world 2, restart 1, device cpu",
-        f"[rank0] @{t + 4:.6f} timing: process {t + 3.5:.6f} imported {t + 4:.6f} "
+        f"[rank0] @{t + 4:.6f} timing: restart 1 process {t + 3.5:.6f} imported {t + 4:.6f} "
         f"group {t + 4.25:.6f}",
-        f"[rank1] @{t + 4:.6f} timing: process {t + 3:.6f} imported {t + 4.5:.6f} "
+        f"[rank1] @{t + 4:.6f} timing: restart 1 process {t + 3:.6f} imported {t + 4.5:.6f} "
         f"group {t + 4.5:.6f}",
         f"[rank0] @{t + 5:.6f} resumed from step_3",
         f"[rank0] @{t + 6:.6f} step 4 loss 0.1",

@@ -283,8 +283,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     owns_group = not dist.is_initialized()
     info = init_from_env(timeout_s=args.pg_timeout)
     if args.log_times:  # chapter 10's restart cost: where the seconds after a kill go
-        _Log(info.rank, times=True)(f"timing: process {_train_watchdog.process_start():.6f} "
-                                    f"imported {imported:.6f} group {time.time():.6f}")  # fmt: skip
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        _Log(info.rank, times=True)(f"timing: restart {attempt} process "
+                                    f"{_train_watchdog.process_start():.6f} imported "
+                                    f"{imported:.6f} group {time.time():.6f}")  # fmt: skip
     bar = None
     if info.rank == 0 and (
         args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())

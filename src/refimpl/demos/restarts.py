@@ -108,7 +108,7 @@ def split_restarts(run: TrainRun) -> list[dict[str, float]]:
         elif m and "Rendezvous complete for workers" in m.group(6):
             rdzv.append(_agent_time(m, year))
     attempts: dict[int, dict[str, float]] = {}
-    attempt = {0: 0, 1: 0}
+    attempt: dict[int, int] = {}
     for line in run.stdout.splitlines():
         m = _STAMP.match(line)
         if not m:
@@ -116,11 +116,14 @@ def split_restarts(run: TrainRun) -> list[dict[str, float]]:
         rank, t, msg = int(m.group(1)), float(m.group(2)), m.group(3)
         if (s := re.search(r"start: world \d+, restart (\d+)", msg)) is not None:
             attempt[rank] = int(s.group(1))
-        a = attempts.setdefault(attempt.get(rank, 0), {})
-        if tm := re.search(r"timing: process ([\d.]+) imported ([\d.]+) group ([\d.]+)", msg):
-            for key, value in zip(("process", "imported", "group"), tm.groups(), strict=True):
+        pattern = r"timing: restart (\d+) process ([\d.]+) imported ([\d.]+) group ([\d.]+)"
+        if (tm := re.search(pattern, msg)) is not None:  # logged before "start:"
+            a = attempts.setdefault(int(tm.group(1)), {})
+            for key, value in zip(("process", "imported", "group"), tm.groups()[1:], strict=True):
                 a[key] = max(a.get(key, 0.0), float(value))  # the slower rank sets the pace
-        elif rank == 0 and msg.startswith("resumed from"):
+            continue
+        a = attempts.setdefault(attempt.get(rank, 0), {})
+        if rank == 0 and msg.startswith("resumed from"):
             a["loaded"] = t
         elif rank == 0 and "loss" in msg and "first" not in a and "loaded" in a:
             a["first"] = t
