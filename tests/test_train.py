@@ -28,7 +28,7 @@ from refimpl.demos.train import (
     train_command,
 )
 from refimpl.launch import WorkerError, spawn
-from refimpl.train import FAULT_MARKER, _shared_store_warning, main, parse_args
+from refimpl.train import FAULT_MARKER, main, parse_args
 
 ARGS = ["--steps", "12", "--save-every", "4", "--samples", "64", "--seed", "3"]
 
@@ -207,20 +207,6 @@ def test_committed_steps_that_all_fail_to_load_stop_the_trainer_with_the_reasons
 
 
 @pytest.mark.timeout(10)
-def test_warns_about_torchruns_shared_store_only_when_it_can_restart(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
-    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in (_shared_store_warning() or "")
-    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
-    assert _shared_store_warning() is None
-    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # the variable is set
-    assert _shared_store_warning() is None
-
-
-@pytest.mark.timeout(10)
 def test_parse_args_refuses_nonsense() -> None:
     assert parse_args([]).save_every == 5
     with pytest.raises(SystemExit):
@@ -294,3 +280,42 @@ def test_parse_log_and_attempts() -> None:
     matplotlib.use("Agg")
     ax = plot_attempts(attempts(events))
     assert [t.get_text() for t in ax.get_yticklabels()] == ["attempt 0", "attempt 1"]
+
+
+# --- Issue 18: the README's command, as printed, with no setting in the environment --------
+
+README = ["--steps", "30", "--save-every", "5", "--seed", "3", "--ckpt-dir", "ck"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_readme_command_survives_a_killed_worker_5_times_in_a_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchrun's shared store, five restarts in a row: each ends in 120 s, bit-identical."""
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    (tmp_path / "ref").mkdir()
+    ref = run_train([*README, "--final-weights", "w.pt"], cwd=tmp_path / "ref", timeout_s=120)
+    assert ref.returncode == 0, ref.stderr
+    for i in range(5):
+        (tmp_path / f"run{i}").mkdir()
+        run = run_train([*README, "--final-weights", "w.pt", "--fail-at-step", "17"],
+                        cwd=tmp_path / f"run{i}", timeout_s=120)  # fmt: skip
+        assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in run.stdout + run.stderr
+        assert run.returncode == 0, f"run {i}: {run.stderr[-2000:]}"
+        assert "[rank0] resumed from step_15" in run.stdout
+        assert same_weights(tmp_path / "ref" / "w.pt", tmp_path / f"run{i}" / "w.pt"), i
+
+
+@pytest.mark.timeout(10)
+def test_step_timeout_is_refused_when_torchruns_timer_is_off(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("TORCHELASTIC_TIMER_FILE", raising=False)
+    with pytest.raises(SystemExit):
+        parse_args(["--step-timeout", "5"])
+    assert "TORCHELASTIC_ENABLE_FILE_TIMER=1" in capsys.readouterr().err
+    monkeypatch.setenv("TORCHELASTIC_TIMER_FILE", "/tmp/timer-fifo")
+    assert parse_args(["--step-timeout", "5"]).step_timeout == 5.0
+    with pytest.raises(SystemExit):
+        parse_args(["--step-timeout", "0"])

@@ -12,7 +12,6 @@ function runs on a laptop under `spawn` and on a cluster under `torchrun`.
 
 from __future__ import annotations
 
-import datetime
 import functools
 import math
 import multiprocessing as mp
@@ -23,10 +22,8 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from refimpl._rank_process import (
@@ -42,6 +39,7 @@ from refimpl._rank_process import (
     read_report,
     signal_name,
 )
+from refimpl._torchrun_init import RankInfo, init_from_env
 
 __all__ = [
     "DEFAULT_PG_TIMEOUT_S",
@@ -113,18 +111,6 @@ def _where(stacks: dict[int, str], timed_out: Sequence[int] = ()) -> str:
             f"{', '.join(map(str, waiting))} waited in: look there first."
         )
     return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    """Where this process sits in the job: what `init_from_env` returns."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-    backend: str
-    device: torch.device
 
 
 def _importable(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -406,54 +392,3 @@ def _collect(
         err.stacks = stacks
         raise err from exc
     return [values[r] for r in range(world_size)]
-
-
-def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> RankInfo:
-    """Initialise the process group from torchrun's environment variables.
-
-    Reads ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` (torchrun sets
-    them, and so does `spawn`), picks NCCL when a GPU is present and gloo otherwise, and
-    returns a `RankInfo` whose ``device`` is `refimpl.device.rank_device`. On CUDA it pins
-    the process to GPU ``LOCAL_RANK`` and passes ``device_id`` to ``init_process_group``,
-    which makes NCCL create its communicator now rather than at the first collective (so a
-    wrong network interface fails here, not in the middle of the first step). Without
-    torchrun's variables (``python train.py``) it runs as a world of one on localhost and
-    logs that it did. If the group is already initialised (as inside `spawn`) it only reports
-    where this process sits.
-    """
-    if not dist.is_initialized() and ("RANK" not in os.environ or "WORLD_SIZE" not in os.environ):
-        import logging
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(port))
-        logging.getLogger(__name__).info(
-            "init_from_env: no RANK/WORLD_SIZE (not started by torchrun): running as a world "
-            "of one. For N processes: torchrun --nproc-per-node=N script.py"
-        )
-    from refimpl.device import backend_uses_cuda, rank_device
-
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    device = rank_device(backend)
-    if not dist.is_initialized():
-        extra: dict[str, Any] = {}
-        if backend_uses_cuda(backend) and device.type == "cuda":
-            torch.cuda.set_device(device)
-            extra["device_id"] = device  # eager NCCL init: fail at start-up, not mid-step
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **extra)
-    elif device.type == "cuda":
-        torch.cuda.set_device(device)
-    return RankInfo(
-        rank=dist.get_rank(),
-        local_rank=local_rank,
-        world_size=dist.get_world_size(),
-        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
-        backend=str(dist.get_backend()),
-        device=device,
-    )

@@ -3,9 +3,8 @@
 Run it alone (a world of one) or as N processes that torchrun restarts when one dies::
 
     python -m refimpl.train --steps 20 --save-every 5 --ckpt-dir ckpt --final-weights w.pt
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 \\
-        --max-restarts=2 -m refimpl.train --steps 20 --save-every 5 --ckpt-dir ckpt \\
-        --final-weights w.pt --fail-at-step 8
+    torchrun --standalone --nproc_per_node=2 --max-restarts=2 -m refimpl.train \\
+        --steps 20 --save-every 5 --ckpt-dir ckpt --final-weights w.pt --fail-at-step 8
 
 The restart loop is torchrun's: when a worker exits non-zero, its agent SIGTERMs the others
 (SIGKILL 30 s later), and starts all N again, using up one of ``--max-restarts``. So start-up
@@ -25,10 +24,11 @@ SIGTERM (a preemption: SLURM's ``--signal``, Kubernetes before its SIGKILL) fini
 step, saves it and exits 0. The stop flag rides on the per-step loss all-reduce, so a signal to
 any one rank stops every rank after the same step.
 
-Why the variable: torchrun (torch 2.13) keeps one TCPStore for every attempt, and a restarted
-worker's ``init_process_group`` can read a dead worker's address from it, so the restart fails
-("Connection refused") or hangs until the group timeout (pytorch/pytorch#135712; reproduced
-here with gloo). With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` each attempt gets a fresh store.
+Restarts and torchrun's shared store: torch 2.13's torchrun keeps one TCPStore for every
+attempt, where a restarted worker's ``init_process_group`` can read a dead worker's address and
+fail ("Connection refused") or hang (pytorch/pytorch#135712). `refimpl.launch.init_from_env`
+scopes the group's keys to the attempt, so this trainer needs no setting; a trainer that calls
+``init_process_group`` itself can run torchrun with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from refimpl import _train_files, _train_sharded
+from refimpl import _train_files, _train_sharded, _train_watchdog
 from refimpl._argtypes import float_range, int_range, nonempty
 from refimpl._train_resume import refuse_fresh_start
 from refimpl.atomic import atomic_save, atomic_write_bytes
@@ -92,11 +92,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="tqdm bar on rank 0 (auto: when stderr is a terminal)")  # fmt: skip
     p.add_argument("--sharded", action="store_true",
                    help="FSDP2 and sharded DCP checkpoints: resume at any world size")  # fmt: skip
+    p.add_argument("--step-timeout", type=seconds, default=None,
+                   help="kill a worker stuck in a step or a save this long (torchrun's file "
+                   "timer: TORCHELASTIC_ENABLE_FILE_TIMER=1)")  # fmt: skip
     fault = p.add_argument_group("fault injection and debugging (chapter 10's demos)")
     fault.add_argument("--fail-at-step", type=positive, default=None,
                        help="one rank dies (os._exit(1)) at the start of step S, once")  # fmt: skip
     fault.add_argument("--fail-rank", type=int_range(-1), default=-1,
                        help="which rank (-1: the last)")  # fmt: skip
+    fault.add_argument("--hang-in-save-at-step", type=positive, default=None,
+                       help="rank 0's save of step S blocks forever, once")  # fmt: skip
+    fault.add_argument("--log-times", action="store_true",
+                       help="prefix each line with @UNIX_TIME; log start-up timings")  # fmt: skip
     fault.add_argument("--step-sleep", type=float_range(0), default=0.0,
                        help="sleep after each step (time to send a signal)")  # fmt: skip
     fault.add_argument("--sample-log", type=nonempty, default=None,
@@ -107,6 +114,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.sharded and "rng" in args.no_restore:
         p.error("--sharded saves no RNG state (each step re-seeds dropout): nothing to leave out")
+    if args.step_timeout is not None and (why := _train_watchdog.unavailable()):
+        p.error(why)
     return args
 
 
@@ -141,11 +150,12 @@ class _Log:
     or a file. One write: torchrun starts workers with ``python -u``, where ``print`` makes two
     (the text, then the newline) and the lines of ranks sharing a log get spliced together."""
 
-    def __init__(self, rank: int, bar: Any = None) -> None:
-        self.rank, self.bar = rank, bar
+    def __init__(self, rank: int, bar: Any = None, times: bool = False) -> None:
+        self.rank, self.bar, self.times = rank, bar, times
 
     def __call__(self, message: str) -> None:
-        line = f"[rank{self.rank}] {message}\n"
+        stamp = f"@{time.time():.6f} " if self.times else ""
+        line = f"[rank{self.rank}] {stamp}{message}\n"
         if self.bar is not None:
             self.bar.write(line, file=sys.stdout, end="")  # above the bar, not through it
         else:
@@ -220,16 +230,6 @@ def _backend(args: argparse.Namespace) -> Any:
     return _train_sharded if args.sharded else _train_files
 
 
-def _shared_store_warning() -> str | None:
-    """What to say when torchrun may restart us on the store it shares across attempts."""
-    restartable = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not restartable:
-        return None
-    return ("warning: torchrun shares one store across restarts, so a restart can read dead "
-            "workers' addresses and fail or hang at init (pytorch#135712); start torchrun "
-            "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")  # fmt: skip
-
-
 def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device, log: _Log) -> int:
     """The loop: build, restore, train, save; return 0 when done or stopped by SIGTERM."""
     if args.fail_at_step is not None and args.fail_rank >= world:  # world is known only now
@@ -251,6 +251,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device
     restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     log(f"start: world {world}, restart {restarts}, device {device}")
     step = _load(args, ddp, opt, sampler, device, log)
+    watchdog = _train_watchdog.Watchdog(args.step_timeout)
     if log.bar is not None:
         log.bar.update(step)
     batches = _batches(sampler)
@@ -265,23 +266,27 @@ def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device
             if args.sample_log:  # step, epoch, indices: for checking that none is lost or repeated
                 with open(f"{args.sample_log}.rank{rank}", "a") as f:
                     f.write(f"{step + 1} {sampler.epoch} {' '.join(map(str, batch))}\n")
-            idx = torch.tensor(batch, device=device)
-            loss = torch.nn.functional.mse_loss(ddp(x[idx]), y[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()  # type: ignore[no-untyped-call]
-            opt.step()
-            step += 1
-            # One all-reduce carries the loss and the stop flag: every rank learns that some
-            # rank got SIGTERM after the same step, so they all stop together.
-            stats[0], stats[1] = loss.detach(), float(sigterm.requested)
-            dist.all_reduce(stats)
+            with watchdog.guard("step"):  # a step stuck past --step-timeout ends this worker
+                idx = torch.tensor(batch, device=device)
+                loss = torch.nn.functional.mse_loss(ddp(x[idx]), y[idx])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()  # type: ignore[no-untyped-call]
+                opt.step()
+                step += 1
+                # One all-reduce carries the loss and the stop flag: every rank learns that
+                # some rank got SIGTERM after the same step, so they all stop together.
+                stats[0], stats[1] = loss.detach(), float(sigterm.requested)
+                dist.all_reduce(stats)
             stop = bool(stats[1].item() > 0)
             if rank == 0 and (step % args.log_every == 0 or stop or step == args.steps):
                 log(f"step {step} loss {stats[0].item() / world:.6f}")
             if log.bar is not None:
                 log.bar.update(1)
             if step % args.save_every == 0 or stop or step == args.steps:
-                _backend(args).save(args, ddp, opt, sampler, step, log)
+                with watchdog.guard("save"):
+                    if args.hang_in_save_at_step == step and rank == 0:
+                        _train_watchdog.hang_once(args.ckpt_dir, step, log)
+                    _backend(args).save(args, ddp, opt, sampler, step, log)
             if stop:
                 log(f"SIGTERM: stopped after step {step}, checkpoint saved; exit 0")
                 return 0
@@ -303,12 +308,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     Runs under torchrun, alone (``python -m refimpl.train``: a world of one), or as a worker of
     `refimpl.launch.spawn` (``spawn(main, 2, ["--steps", "10"])``), whose group it reuses.
     """
+    imported = time.time()
     args = parse_args(argv)
     owns_group = not dist.is_initialized()
-    warning = _shared_store_warning()
-    if warning and os.environ.get("RANK") == "0":
-        _Log(0)(warning)  # now: if it bites, init is where this process will hang
     info = init_from_env(timeout_s=args.pg_timeout)
+    if args.log_times:  # chapter 10's restart cost: where the seconds after a kill go
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        _Log(info.rank, times=True)(f"timing: restart {attempt} process "
+                                    f"{_train_watchdog.process_start():.6f} imported "
+                                    f"{imported:.6f} group {time.time():.6f}")  # fmt: skip
     bar = None
     if info.rank == 0 and (
         args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
@@ -317,7 +325,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         bar = tqdm(total=args.steps, desc="train", file=sys.stderr, dynamic_ncols=True)
     try:
-        code = _train(args, info.rank, info.world_size, info.device, _Log(info.rank, bar))
+        log = _Log(info.rank, bar, times=args.log_times)
+        code = _train(args, info.rank, info.world_size, info.device, log)
     finally:
         if bar is not None:
             bar.close()

@@ -17,12 +17,7 @@ from pathlib import Path
 from refimpl.chaos import SCENARIOS, ChaosRow, run_chaos
 from refimpl.demos.train import train_command
 
-__all__ = ["RESTART_ENV", "TRAIN_ARGS", "chaos_toy", "chaos_train", "toy_command"]
-
-RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-"""Added to the trainers' environment: torch 2.13's shared rendezvous store makes a restarted
-attempt fail or hang at init (see `refimpl.train`). Issue 18 item 1 makes `init_from_env` safe
-without it; drop it here once that lands."""
+__all__ = ["TRAIN_ARGS", "chaos_toy", "chaos_train", "toy_command"]
 
 TRAIN_ARGS = ("--steps", "16", "--save-every", "4", "--seed", "3", "--ckpt-dir", "{out}/ckpt",
               "--final-weights", "{out}/w.pt", "--step-sleep", "0.05", "--progress", "never",
@@ -45,7 +40,7 @@ def chaos_train(
     cmd = train_command([*TRAIN_ARGS, *(["--sharded"] if sharded else [])], max_restarts=2)
     return run_chaos(cmd, kill_on=r"^\[rank0\] step 6 loss", save_on=r"^\[rank0\] step 8 loss",
                      compare="w.pt", resume_on=r"\[rank0\] resumed from", scenarios=scenarios,
-                     timeout_s=timeout_s, work=work, env=RESTART_ENV)  # fmt: skip
+                     timeout_s=timeout_s, work=work)  # fmt: skip
 
 
 def toy_command(variant: str = "ok", nproc: int = 2) -> list[str]:
@@ -66,7 +61,8 @@ def chaos_toy(
 ) -> list[ChaosRow]:
     """The kill test on a `refimpl.demos.chaos_trainers` variant (``ok``, ``no-rng``,
     ``no-sampler``): kills at ``step 6``, rank 0 at ``saving step 12``; ``env`` is added to
-    `RESTART_ENV`."""
+    the command's environment. Neither trainer needs ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``:
+    both call `refimpl.launch.init_from_env`, which scopes each attempt's keys."""
     return run_chaos(toy_command(variant), kill_on=r"^step 6 loss", save_on=r"^saving step 12",
                      compare="final.pt", scenarios=scenarios, timeout_s=timeout_s, work=work,
-                     env={**RESTART_ENV, **(env or {})})  # fmt: skip
+                     env=env)  # fmt: skip

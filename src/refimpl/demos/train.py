@@ -68,6 +68,7 @@ class TrainRun:
     stderr: str
     seconds: float
     events: list[Event] = field(default_factory=list)
+    kill_times: list[float] = field(default_factory=list)  # Unix time of each SIGKILL sent
 
 
 def train_command(
@@ -130,7 +131,9 @@ def run_train(
     sigterm_after_step: int = 1,
     timeout_s: float = 120.0,
     cwd: str | os.PathLike[str] | None = None,
-    share_store: bool = False,
+    fresh_store: bool = False,
+    kills: Sequence[tuple[int, int]] = (),
+    env: dict[str, str] | None = None,
 ) -> TrainRun:
     """Run the trainer in a subprocess and return what it did; never hangs past ``timeout_s``.
 
@@ -138,14 +141,21 @@ def run_train(
     SIGTERM as soon as rank 0 has logged step ``sigterm_after_step``. On a timeout, the whole
     process tree is killed and `TimeoutError` is raised with the output so far.
 
-    torchrun runs with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a fresh store per attempt)
-    unless ``share_store=True``: torch 2.13's shared store lets a restarted group read the dead
-    workers' addresses, and the restart then fails or hangs, sometimes (see `refimpl.train`).
+    ``kills``: for each ``(rank, step)``, in order, SIGKILL that rank's worker once rank 0 of the
+    next attempt (restart count 0, then 1, ...) has logged ``step``; the times they were sent
+    come back in ``kill_times``. ``env`` adds to the environment.
+
+    torchrun runs on its shared store, as a reader's would: `refimpl.launch.init_from_env`
+    scopes each attempt's keys. ``fresh_store=True`` sets
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` instead (a new store per attempt, which a trainer
+    that calls ``init_process_group`` itself needs on torch 2.13, pytorch/pytorch#135712).
     """
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-    if not share_store:
+    env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k != "PYTHONUNBUFFERED"}
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    if fresh_store:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     cmd = train_command(train_args, launcher=launcher, nproc=nproc, max_restarts=max_restarts)
+    to_kill, kill_times, attempt = list(kills), list[float](), 0
     start = time.monotonic()
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(
@@ -165,6 +175,16 @@ def run_train(
             for line in proc.stdout:
                 lines.append(line)
                 loss = _PATTERNS["loss"].search(line)
+                started = _PATTERNS["start"].search(line)
+                if started and line.startswith("[rank0]"):
+                    attempt = int(started.group(2))
+                if to_kill and loss and attempt == len(kill_times) and line.startswith("[rank0]"):
+                    rank, at_step = to_kill[0]
+                    pid = _worker_pid(proc.pid, rank)
+                    if int(loss.group(1)) >= at_step and pid is not None:
+                        kill_times.append(time.time())
+                        os.kill(pid, signal.SIGKILL)
+                        to_kill.pop(0)
                 if sigterm_rank is not None and loss and int(loss.group(1)) >= sigterm_after_step:
                     pid = proc.pid if launcher == "python" else _worker_pid(proc.pid, sigterm_rank)
                     if pid is not None:
@@ -179,7 +199,7 @@ def run_train(
     stdout = "".join(lines)
     if fired.is_set():
         raise TimeoutError(f"{' '.join(cmd)} ran past {timeout_s} s and was killed:\n{stdout}")
-    return TrainRun(returncode, stdout, stderr, seconds, parse_log(stdout))
+    return TrainRun(returncode, stdout, stderr, seconds, parse_log(stdout), kill_times)
 
 
 def parse_log(text: str) -> list[Event]:

@@ -1,0 +1,89 @@
+"""``python -m refimpl.train --step-timeout S``: a stuck worker is killed, and torchrun restarts.
+
+A worker stuck in a save on a dead filesystem, or in a collective a peer never joins, is not a
+failure to torchrun's agent: it is alive. torchrun's file-timer watchdog makes it one. With
+``TORCHELASTIC_ENABLE_FILE_TIMER=1`` in torchrun's environment, each agent starts a
+``FileTimerServer`` on a FIFO and passes its path to the workers as ``TORCHELASTIC_TIMER_FILE``
+(``LocalElasticAgent._setup_local_watchdog``); a worker wraps each step and each save in
+``torch.distributed.elastic.timer.expires(after=S)``, and the server signals a worker whose
+timer ran out. The agent then sees a failed worker and restarts the group like any other.
+
+The signal is SIGXFSZ, not the client's default SIGKILL. After signalling the worker, torch
+2.13's ``FileTimerServer._run_watchdog`` sends the *same* signal to its own process, which under
+torchrun is the agent: with SIGKILL, torchrun dies with its worker and nothing restarts (tried
+here: exit 137). Python ignores SIGXFSZ from start-up, so the agent survives it; the worker
+puts back the default action (end the process, with a core dump where ``ulimit -c`` allows),
+which the kernel carries out even when the worker is stuck in C code. A process in
+uninterruptible I/O (state D) ends only when that I/O returns, whatever the signal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from refimpl.atomic import atomic_write_bytes
+
+__all__ = ["HANG_MARKER", "REAP_SIGNAL", "Watchdog", "hang_once", "process_start", "unavailable"]
+
+REAP_SIGNAL = signal.SIGXFSZ
+HANG_MARKER = "hang_injected_at_step_{step}"
+
+
+def unavailable() -> str | None:
+    """Why ``--step-timeout`` cannot work in this process, or None when torchrun's timer is on."""
+    if os.environ.get("TORCHELASTIC_TIMER_FILE"):
+        return None
+    return (
+        "--step-timeout needs torchrun's file-timer watchdog, which is off: start torchrun "
+        "with TORCHELASTIC_ENABLE_FILE_TIMER=1 in its environment (it then passes "
+        "TORCHELASTIC_TIMER_FILE to every worker), e.g. "
+        "TORCHELASTIC_ENABLE_FILE_TIMER=1 torchrun --max-restarts=2 ... -m refimpl.train ..."
+    )
+
+
+class Watchdog:
+    """``guard(scope)`` bounds a block by ``seconds`` through torchrun's timer; no-op if None."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+        self._client: Any = None
+        if seconds is not None:
+            from torch.distributed.elastic.timer.file_based_local_timer import FileTimerClient
+
+            signal.signal(REAP_SIGNAL, signal.SIG_DFL)  # Python ignores it; the agent still does
+            self._client = FileTimerClient(os.environ["TORCHELASTIC_TIMER_FILE"], REAP_SIGNAL)
+
+    def guard(self, scope: str) -> contextlib.AbstractContextManager[None]:
+        """A block this worker must leave within ``seconds``, or the agent's timer ends it."""
+        if self._client is None:
+            return contextlib.nullcontext()
+        from torch.distributed.elastic.timer.api import expires
+
+        return expires(after=self.seconds or 0.0, scope=scope, client=self._client)
+
+
+def hang_once(ckpt_dir: str, step: int, log: Callable[[str], None]) -> None:
+    """Block forever in the save of ``step`` unless that already happened (a marker file)."""
+    marker = os.path.join(ckpt_dir, HANG_MARKER.format(step=step))
+    if os.path.exists(marker):
+        return
+    os.makedirs(ckpt_dir, exist_ok=True)
+    atomic_write_bytes(b"", marker)  # before hanging: the restarted worker must not hang again
+    log(f"injected hang: the save of step {step} blocks forever")
+    while True:
+        time.sleep(3600)
+
+
+def process_start() -> float:
+    """When this process was created (Unix time, to the kernel's clock tick, 10 ms), from
+    ``/proc/self/stat``: the start of ``--log-times``' "process start and imports" part."""
+    stat = Path("/proc/self/stat").read_text()
+    ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22: start, in ticks since boot
+    age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    return time.time() - age

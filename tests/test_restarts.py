@@ -1,0 +1,50 @@
+"""Chapter 10's restart runs (`refimpl.demos.restarts`): a save stuck forever under
+``--step-timeout`` ends in a restart and bit-identical weights; R's parts read from the logs."""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import pytest
+
+from refimpl.demos.restarts import PARTS, split_restarts, stuck_save
+from refimpl.demos.train import TrainRun
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_save_stuck_forever_is_killed_and_the_job_finishes_bit_identical(
+    tmp_path: Path,
+) -> None:
+    result = stuck_save(tmp_path, step_timeout=5, hang_at=10)
+    assert result["ref_ok"] and result["returncode"] == 0, result
+    assert "[rank0] injected hang: the save of step 10 blocks forever" in result["trainer"]
+    assert "[rank0] resumed from step_5" in result["trainer"]
+    assert any("exitcode: -25" in line for line in result["agent"]), result["agent"]  # SIGXFSZ
+    assert result["identical"], result["verdict"]
+
+
+@pytest.mark.timeout(10)
+def test_split_restarts_reads_the_parts_of_r_from_both_logs() -> None:
+    t = datetime.datetime(2026, 3, 4, 5, 6, 7).timestamp()
+    agent = [
+        "I0304 05:06:08.500000 1 api.py:1] [default] Worker group FAILED. 2/2 attempts left",
+        "I0304 05:06:10.000000 1 api.py:2] [default] Rendezvous complete for workers. Result:",
+    ]
+    stdout = [
+        "[rank0] @0.0 start: world 2, restart 1, device cpu",
+        "[rank1] @0.0 start: world 2, restart 1, device cpu",
+        f"[rank0] @{t + 4:.6f} timing: restart 1 process {t + 3.5:.6f} imported {t + 4:.6f} "
+        f"group {t + 4.25:.6f}",
+        f"[rank1] @{t + 4:.6f} timing: restart 1 process {t + 3:.6f} imported {t + 4.5:.6f} "
+        f"group {t + 4.5:.6f}",
+        f"[rank0] @{t + 5:.6f} resumed from step_3",
+        f"[rank0] @{t + 6:.6f} step 4 loss 0.1",
+        f"[rank0] @{t + 7:.6f} step 5 loss 0.1",
+    ]
+    run = TrainRun(0, "\n".join(stdout), "\n".join(agent), 9.0, kill_times=[t])
+    (row,) = split_restarts(run)
+    # kill t; FAILED t+1.5; rendezvous t+3; the slower rank: process t+3.5, imported t+4.5,
+    # group t+4.5; rank 0 resumed t+5 and logged its first step at t+6
+    assert row == {"R": 6.0, **dict(zip(PARTS, [1.5, 1.5, 0.5, 1.0, 0.0, 0.5, 1.0], strict=True))}
