@@ -7,8 +7,10 @@ import datetime
 from pathlib import Path
 
 import pytest
+import torch
 
-from refimpl.demos.restarts import PARTS, split_restarts, stuck_save
+from refimpl.demos import restarts
+from refimpl.demos.restarts import PARTS, readme_runs, split_restarts, stuck_save
 from refimpl.demos.train import TrainRun
 
 
@@ -48,3 +50,21 @@ def test_split_restarts_reads_the_parts_of_r_from_both_logs() -> None:
     # kill t; FAILED t+1.5; rendezvous t+3; the slower rank: process t+3.5, imported t+4.5,
     # group t+4.5; rank 0 resumed t+5 and logged its first step at t+6
     assert row == {"R": 6.0, **dict(zip(PARTS, [1.5, 1.5, 0.5, 1.0, 0.0, 0.5, 1.0], strict=True))}
+
+
+@pytest.mark.timeout(10)
+def test_the_uninterrupted_run_is_made_once_per_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # chapter 10 calls readme_runs then stuck_save in one directory: one reference, not two
+    calls: list[str] = []
+
+    def fake_run_train(args: list[str], *, cwd: Path, **kwargs: object) -> TrainRun:
+        calls.append(Path(cwd).name)
+        torch.save({"w": torch.zeros(1)}, Path(cwd) / "w.pt")
+        return TrainRun(0, "", "", 0.1)
+
+    monkeypatch.setattr(restarts, "run_train", fake_run_train)
+    readme_runs(tmp_path, runs=0)
+    readme_runs(tmp_path, runs=1)
+    assert calls == ["reference", "run0"]

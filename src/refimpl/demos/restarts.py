@@ -36,12 +36,23 @@ def _run_in(workdir: Path, name: str, args: Sequence[str], **kwargs: Any) -> Tra
     return run_train(args, cwd=workdir / name, **kwargs)
 
 
-def readme_runs(workdir: str | os.PathLike[str], runs: int = 5) -> list[dict[str, Any]]:
-    """The README's kill-and-restart command ``runs`` times: seconds, exit code, bit-identical."""
-    work = Path(workdir)
+def _reference(work: Path) -> TrainRun | None:
+    """The uninterrupted run of the README's command in ``work/reference``; None when an
+    earlier call left its weights there (`readme_runs` then `stuck_save` in one directory
+    run it once)."""
+    if (work / "reference" / "w.pt").exists():
+        return None
     ref = _run_in(work, "reference", README_ARGS, timeout_s=120)
     if ref.returncode != 0:
         raise RuntimeError(f"the uninterrupted run failed:\n{ref.stderr[-2000:]}")
+    return ref
+
+
+def readme_runs(workdir: str | os.PathLike[str], runs: int = 5) -> list[dict[str, Any]]:
+    """The README's kill-and-restart command ``runs`` times: seconds, exit code, bit-identical
+    to the uninterrupted run in ``workdir/reference`` (run first, unless already there)."""
+    work = Path(workdir)
+    _reference(work)
     rows = []
     for i in range(runs):
         try:
@@ -60,12 +71,15 @@ def stuck_save(
 ) -> dict[str, Any]:
     """A save that blocks forever at step ``hang_at``, under ``--step-timeout``: recovered?
 
+    The uninterrupted run it compares with is ``workdir/reference``, made by an earlier
+    `readme_runs` in the same ``workdir`` or here.
+
     Returns the exit code, whether the final weights equal an uninterrupted run's, the
     trainer's lines around the hang and the restart, torchrun's lines about the expired timer
     and the failed worker, and a one-line verdict.
     """
     work = Path(workdir)
-    ref = _run_in(work, "reference", README_ARGS, timeout_s=120)
+    _reference(work)
     args = [*README_ARGS, "--step-timeout", str(step_timeout), "--hang-in-save-at-step",
             str(hang_at)]  # fmt: skip
     run = _run_in(work, "stuck", args, timeout_s=180,
@@ -84,7 +98,8 @@ def stuck_save(
         f"{', '.join(sorted({n for n, _ in ended})) or '-'}), torchrun restarted, exit "
         f"{run.returncode}, " + ("bit-identical to the uninterrupted run" if same else "DIFFERENT")
     )
-    return {"returncode": run.returncode, "identical": same, "ref_ok": ref.returncode == 0,
+    ref_ok = (work / "reference" / "w.pt").exists()
+    return {"returncode": run.returncode, "identical": same, "ref_ok": ref_ok,
             "seconds": round(run.seconds, 1), "trainer": trainer, "agent": agent,
             "verdict": verdict}  # fmt: skip
 
