@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make book   -> builds the HTML book into _build/html (makes .venv and installs what it needs)
 #   make test   -> lint, types, unit + multiprocess + fault-injection tests, nbval on every notebook
+#   make test-fast -> lint, types and the library's tests without the notebooks or the slow runs
 #   make lab    -> JupyterLab on notebooks/, on localhost, with the .venv kernel (prints the URL)
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -10,11 +11,15 @@ STAMP := $(VENV)/.installed
 LAB_STAMP := $(VENV)/.lab-installed
 LAB_PORT ?= 8888
 NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=300
+# Test workers (pytest-xdist), one file per work unit: a notebook's cells run in order in one
+# kernel, and a test file runs whole on one worker. TEST_WORKERS=0 runs everything in order.
+TEST_WORKERS ?= 2
+PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 export PYTHONHASHSEED := 0
 # Notebooks show figures through the inline backend; an inherited MPLBACKEND=Agg hides them.
 unexport MPLBACKEND
 
-.PHONY: venv test lint book browser-test lab notebooks clean
+.PHONY: venv test test-fast lint book browser-test lab notebooks clean
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,7 +47,12 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 test: lint
-	$(PY) -m pytest tests notebooks $(NBVAL) --ignore=tests/browser
+	$(PY) -m pytest tests notebooks $(NBVAL) --ignore=tests/browser $(PARALLEL) --durations=15
+
+# The inner loop while changing src/refimpl: everything but the notebooks, the browser and the
+# tests marked slow (whole torchrun jobs, benchmarks); make test runs those too.
+test-fast: lint
+	$(PY) -m pytest tests --ignore=tests/browser -m "not slow" $(PARALLEL) --durations=10
 
 book: $(STAMP)
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going
