@@ -8,9 +8,12 @@ import json
 import random
 from pathlib import Path
 
+import pytest
+
 from refimpl.bench.reshard import WORLDS, _same, main
 
 
+@pytest.mark.slow
 def test_reshard_benchmark_times_and_checks_every_pair(tmp_path: Path) -> None:
     assert main(["--out", str(tmp_path), "--size-mb", "1", "--d", "128", "--repeats", "5"]) == 0
     data = json.loads((tmp_path / "reshard.json").read_text())

@@ -15,6 +15,7 @@ from refimpl.bench._save_overhead import METHODS, make_stager
 from refimpl.bench.save import main
 
 
+@pytest.mark.slow
 def test_overhead_benchmark_rows_ratios_and_plot(tmp_path: Path) -> None:
     argv = ["--out", str(tmp_path), "--sizes-mb", "2", "4", "--repeats", "5", "--quiet"]
     assert main(argv) == 0

@@ -166,6 +166,7 @@ def test_fp16_hook_casts_before_dividing_and_overflows() -> None:
         assert r["bf16_compress_hook on gloo"].startswith("TypeError: BF16 all reduce")
 
 
+@pytest.mark.slow
 def test_grad_scaler_skips_steps_when_the_fp16_hook_overflows() -> None:
     plain = spawn(grad_scaler_with_fp16_hook, 2, False, 4, timeout_s=60)[0]
     hooked = spawn(grad_scaler_with_fp16_hook, 2, True, 4, timeout_s=60)[0]

@@ -257,6 +257,7 @@ def test_every_file_and_directory_is_fsynced_before_the_step_is_published(tmp_pa
 # --- Issue 14 / 13: a re-save never loses the committed copy ------------------------------
 
 
+@pytest.mark.slow
 def test_resave_killed_at_random_points_never_loses_the_step(tmp_path: Path) -> None:
     """SIGKILL a process that re-saves step 3 (8 MB) at random moments: step 3 always loads,
     as the old copy or the new one, never falls back to an older step or to nothing."""
@@ -538,6 +539,7 @@ def _cli(*args: str) -> tuple[int, str]:
     return done.returncode, done.stdout + done.stderr
 
 
+@pytest.mark.slow
 def test_cli_list_verify_inspect_on_good_and_corrupted_checkpoints(tmp_path: Path) -> None:
     for step in (100, 200):
         save_checkpoint(tmp_path, {"model": {"w": torch.ones(64, 32)}, "optim": {"s": step}}, step)

@@ -72,6 +72,7 @@ def test_sampler_shards_cover_dataset_and_pad_to_equal_length() -> None:
     assert all(s["global_batch"] == 8 and s["steps_per_epoch"] == 2 for s in shards)
 
 
+@pytest.mark.slow
 def test_module_runs_from_the_shell() -> None:
     """`python -m refimpl.collectives` spawns its own workers (they live in __main__ there)."""
     import subprocess

@@ -28,6 +28,7 @@ def test_crafted_pickles_run_under_plain_dcp_and_are_refused_by_load_sharded(
     assert not list(tmp_path.glob("PAYLOAD_RAN_*"))  # the demo cleans up after plain DCP
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_torn_in_place_overwrite_loads_silently_mixed_and_ours_does_not(tmp_path: Path) -> None:
     lines = torn_overwrite_demo(tmp_path)

@@ -92,6 +92,7 @@ def test_miniddp_without_process_group_says_what_to_do() -> None:
         MiniDDP(make_mlp())
 
 
+@pytest.mark.slow
 def test_benchmark_writes_json_and_png(tmp_path: Path) -> None:
     from refimpl.bench.ddp import main
 

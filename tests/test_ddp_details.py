@@ -29,6 +29,7 @@ def test_buffers_at_construction_and_the_deprecated_flag() -> None:
     assert r["DDP(model, forward_sync_buffers=False)"] == "buffers equal after construction: True"
 
 
+@pytest.mark.slow
 def test_forward_sync_buffers_follows_ddp_and_plain_miniddp_drifts() -> None:
     for r in spawn(_ddp_workers.buffer_parity, 2, timeout_s=60):
         assert r == {"sync equals DDP": True, "plain MiniDDP differs across ranks": True}
@@ -62,6 +63,7 @@ def test_ddp_unused_parameter_error_names_parameters_only_under_debug() -> None:
     assert waiting.startswith("step 1:") and "Timed out" in waiting and "branch" not in waiting
 
 
+@pytest.mark.slow
 def test_join_lets_a_rank_with_fewer_batches_finish() -> None:
     stuck = spawn(join_uneven_inputs, 2, False, 3.0, timeout_s=60, pg_timeout_s=2)
     assert stuck[0].startswith("stopped after 2 batches") and "Timed out" in stuck[0]

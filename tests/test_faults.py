@@ -24,6 +24,7 @@ def _assert_survived(report: KillReport, kills: int) -> None:
     assert report.ok, report.examples
 
 
+@pytest.mark.slow
 def test_checkpoint_survives_30_random_kills(tmp_path: Path) -> None:
     report = kill_trials("checkpoint", tmp_path, 30, seed=1)
     _assert_survived(report, 30)
@@ -31,6 +32,7 @@ def test_checkpoint_survives_30_random_kills(tmp_path: Path) -> None:
     assert found is not None and found[1]["meta"] == make_state(found[0], 1)["meta"]
 
 
+@pytest.mark.slow
 def test_atomic_save_survives_25_random_kills(tmp_path: Path) -> None:
     _assert_survived(kill_trials("atomic", tmp_path, 25, seed=2), 25)
 

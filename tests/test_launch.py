@@ -194,6 +194,7 @@ def test_unknown_rank_output_mode_is_refused() -> None:
         spawn(_workers.rank_and_sum, 2, rank_output="loud")
 
 
+@pytest.mark.slow
 def test_launcher_killed_by_sigkill_leaves_no_rank_behind(tmp_path: Path) -> None:
     """The job's own launcher dies (OOM killer, scancel): its ranks must not live on."""
     import signal
@@ -248,6 +249,7 @@ def test_a_rank_killed_while_its_result_is_in_flight_never_hangs_the_launcher() 
     assert time.monotonic() - start < 40
 
 
+@pytest.mark.slow
 def test_what_ranks_print_survives_without_pythonunbuffered(tmp_path: Path) -> None:
     """Jupyter, CI and pytest give ranks a non-terminal stdout; user code does not flush."""
     import subprocess

@@ -40,6 +40,7 @@ def test_stateful_dataloader_exact_same_world_size_not_across() -> None:
     assert (lost, repeated) != (0, 0)
 
 
+@pytest.mark.slow
 def test_resume_same_world_size_is_bit_identical(tmp_path: Path) -> None:
     r = resume_experiment(str(tmp_path))
     assert r["resumed_losses"] == r["full_losses"]
@@ -47,6 +48,7 @@ def test_resume_same_world_size_is_bit_identical(tmp_path: Path) -> None:
     assert torch.equal(r["resumed_params"], r["full_params"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["optimizer", "rng"])
 def test_resume_negative_controls_differ(tmp_path: Path, what: str) -> None:
     r = resume_experiment(
@@ -58,6 +60,7 @@ def test_resume_negative_controls_differ(tmp_path: Path, what: str) -> None:
     assert not torch.equal(r["resumed_params"], r["full_params"])
 
 
+@pytest.mark.slow
 def test_resume_across_world_size_same_order_close_losses(tmp_path: Path) -> None:
     r = resume_experiment(str(tmp_path), ws_before=2, ws_after=4, dropout=0.0)
     assert r["resumed_order"] == r["full_order"]

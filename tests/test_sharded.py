@@ -186,6 +186,7 @@ def test_consolidate_writes_one_full_weights_only_file(tmp_path: Path) -> None:
         consolidate(step_dir, tmp_path / "never.pt")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_resharding_4_to_2_and_3_equals_the_unsharded_reference(tmp_path: Path) -> None:
     lines = resharding_demo(tmp_path)

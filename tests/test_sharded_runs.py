@@ -17,6 +17,7 @@ from refimpl.launch import spawn
 from refimpl.sharded import load_sharded, save_sharded
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("killed", [1, 0])
 def test_rank_killed_mid_save_errors_fast_and_the_previous_step_loads(
@@ -49,6 +50,7 @@ def test_rank_killed_mid_save_errors_fast_and_the_previous_step_loads(
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_async_save_snapshots_at_the_call_reuses_buffers_and_commits_after(
     tmp_path: Path,

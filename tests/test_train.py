@@ -62,6 +62,7 @@ def preempted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, TrainRun]
     return d / "ckpt", run
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_torchrun_restarts_after_a_killed_worker_and_ends_bit_identical(
     reference: tuple[Path, TrainRun], tmp_path: Path
@@ -83,6 +84,7 @@ def test_torchrun_restarts_after_a_killed_worker_and_ends_bit_identical(
     assert same_weights(reference[0], tmp_path / "w.pt")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_and_saves_it(
     preempted: tuple[Path, TrainRun],
@@ -119,6 +121,7 @@ def test_negative_control_a_resume_that_forgets_state_ends_elsewhere(
     assert not same_weights(reference[0], tmp_path / "w.pt")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_world_of_one_with_plain_python_sigterm_resume_and_rerun(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -158,6 +161,7 @@ def test_a_corrupt_latest_checkpoint_is_skipped_and_its_steps_retrained(
     assert "step 5 loss" in out and _latest(tmp_path) == 8
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("first_sharded", [True, False])
 def test_a_forgotten_or_extra_sharded_flag_refuses_to_start_over_the_other_backends_steps(

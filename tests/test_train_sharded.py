@@ -39,6 +39,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_sharded_torchrun_restart_after_a_killed_worker_is_bit_identical(
     reference: Path, tmp_path: Path
@@ -70,6 +71,7 @@ def test_sharded_resume_from_step_4_matches_unless_state_is_left_out(
     assert same_weights(reference / "w.pt", tmp_path / "w.pt") == (forget is None)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_sharded_resume_at_another_world_size_trains_every_sample_once(tmp_path: Path) -> None:
     # 96 samples, 8 per rank: an epoch is 6 steps at 2 ranks and 4 at 3. Stop after step 3
