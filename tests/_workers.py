@@ -34,13 +34,22 @@ def fail_on(bad_rank: int) -> int:
 def record_pid_then(pid_dir: str, action: str) -> None:
     """Write our pid (and a grandchild's) to pid_dir, then hang, crash or get killed."""
     child = subprocess.Popen(["sleep", "600"])
-    Path(pid_dir, f"rank{dist.get_rank()}.pid").write_text(f"{os.getpid()} {child.pid}")
+    tmp = Path(pid_dir, f".rank{dist.get_rank()}.tmp")
+    tmp.write_text(f"{os.getpid()} {child.pid}")
+    tmp.rename(tmp.with_name(f"rank{dist.get_rank()}.pid"))  # whole or absent for readers
     if action == "hang":
         time.sleep(600)
     elif action == "sigkill_rank1" and dist.get_rank() == 1:
         time.sleep(0.2)
         os.kill(os.getpid(), 9)
     elif action == "raise_rank0" and dist.get_rank() == 0:
+        # Give up only once every rank has recorded its pids: on a loaded machine rank 1 could
+        # otherwise be killed before it wrote them, and the test would count 2 of 4.
+        deadline = time.monotonic() + 20
+        while len(list(Path(pid_dir).glob("rank*.pid"))) < dist.get_world_size():
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
         raise RuntimeError("rank 0 gives up")
     time.sleep(600)
 

@@ -67,6 +67,7 @@ _HANGS_ON_RESTART = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_correct_trainer_passes_every_scenario_and_leaves_no_process(tmp_path: Path) -> None:
     tag = uuid.uuid4().hex
@@ -80,6 +81,7 @@ def test_correct_trainer_passes_every_scenario_and_leaves_no_process(tmp_path: P
     assert _tagged(tag) == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("variant", ["no-rng", "no-sampler"])
 def test_trainer_that_forgets_state_fails_naming_the_key(variant: str, tmp_path: Path) -> None:

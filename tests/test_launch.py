@@ -424,6 +424,7 @@ def _attempt_worker(port: int, rank: int, attempt: int, delay_s: float) -> subpr
     )  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_restarted_attempts_never_read_a_dead_attempts_keys() -> None:
     """Attempts 1-5 meet on the store attempt 0 wrote to, as under torchrun; in each, one rank

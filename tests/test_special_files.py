@@ -98,6 +98,7 @@ def test_metadata_and_marker_fifo_or_device_link_are_refused_at_once(
     assert "not a regular file" in skipped["step_00000001"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_cli_checks_sharded_steps_as_sharded_and_sizes_stay_inside(tmp_path: Path) -> None:
     model, opt = trained()

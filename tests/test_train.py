@@ -98,6 +98,7 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_and_saves_it(
     assert not any(e.kind in ("done", "final") for e in run.events)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_resume_after_sigterm_is_bit_identical_under_spawn(
     reference: tuple[Path, TrainRun], preempted: tuple[Path, TrainRun], tmp_path: Path
@@ -108,6 +109,7 @@ def test_resume_after_sigterm_is_bit_identical_under_spawn(
     assert same_weights(reference[0], tmp_path / "w.pt")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 @pytest.mark.parametrize("forget", ["rng", "data", "optimizer"])
 def test_negative_control_a_resume_that_forgets_state_ends_elsewhere(
@@ -145,6 +147,7 @@ def test_world_of_one_with_plain_python_sigterm_resume_and_rerun(
     assert same_weights(full / "w.pt", cut / "w.pt")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_corrupt_latest_checkpoint_is_skipped_and_its_steps_retrained(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -190,6 +193,7 @@ def test_a_forgotten_or_extra_sharded_flag_refuses_to_start_over_the_other_backe
                       for _, d in list_checkpoints(ckpt)}  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_committed_steps_that_all_fail_to_load_stop_the_trainer_with_the_reasons(
     tmp_path: Path,

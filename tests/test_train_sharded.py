@@ -58,6 +58,7 @@ def test_sharded_torchrun_restart_after_a_killed_worker_is_bit_identical(
         verify_sharded(step_dir)  # every committed step verifies against its manifest
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 @pytest.mark.parametrize("forget", [None, "optimizer", "data"])
 def test_sharded_resume_from_step_4_matches_unless_state_is_left_out(
