@@ -18,6 +18,11 @@ def rank_and_sum() -> tuple[int, int, float]:
     return dist.get_rank(), dist.get_world_size(), t.item()
 
 
+def no_collective() -> int:
+    """A worker that returns at once and never talks to its peers."""
+    return dist.get_rank()
+
+
 def env_view() -> dict[str, str]:
     keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "FROM_PARENT")
     return {k: os.environ.get(k, "") for k in keys}

@@ -20,6 +20,7 @@ import time
 import traceback
 import types
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -115,11 +116,32 @@ def wait_for_all_ranks(store: Any, world_size: int, timeout_s: float) -> None:
     the ranks line up here, under the long start-up timeout, before the group exists.
     """
     store.add("refimpl/arrived", 1)
+    if not _count_reaches(store, "refimpl/arrived", world_size, timeout_s):
+        raise TimeoutError(f"not all {world_size} ranks started within {timeout_s:g} s")
+
+
+def _count_reaches(store: Any, key: str, target: int, timeout_s: float) -> bool:
+    """Wait until the counter ``key`` reaches ``target``; False if ``timeout_s`` ran out."""
     deadline = time.monotonic() + timeout_s
-    while int(store.add("refimpl/arrived", 0)) < world_size:
+    while int(store.add(key, 0)) < target:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"not all {world_size} ranks started within {timeout_s:g} s")
+            return False
         time.sleep(0.005)
+    return True
+
+
+def _slow_connect_hook(store: Any, rank: int) -> None:
+    """Test hook (tests/test_launch.py): ``REFIMPL_TEST_SLOW_CONNECT=RANK:SECONDS:PATH`` makes
+    that rank linger after its group is up, then write to PATH whether rank 0 had already
+    started tearing its group down ("torn down") or was still waiting for it ("intact")."""
+    hook = os.environ.get("REFIMPL_TEST_SLOW_CONNECT")
+    if not hook:
+        return
+    hook_rank, seconds, path = hook.split(":", 2)
+    if int(hook_rank) == rank:
+        time.sleep(float(seconds))
+        torn = store.check(["refimpl/teardown/0"])
+        Path(path).write_text("torn down" if torn else "intact")
 
 
 def bootstrap(
@@ -182,6 +204,8 @@ def bootstrap(
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )
+        _slow_connect_hook(store, rank)
+        store.add("refimpl/connected", 1)  # see the finally block
         value = fn(*args)
         try:
             report: tuple[str, Any] = ("ok", pickle.dumps(value))
@@ -207,7 +231,17 @@ def bootstrap(
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
+        if report[0] == "ok":
+            # A rank whose worker did no collective can finish its side of gloo's full-mesh
+            # connect, tear the group down and exit while a peer is still completing its own
+            # side; the peer then fails with "connectFullMesh failed ... Connection closed by
+            # peer" (seen in our own suite, two test workers on two cores). So wait, bounded,
+            # until every rank's group is up. A rank that failed reports its own error and the
+            # launcher stops everyone, so nothing waits on an error path.
+            with contextlib.suppress(Exception):
+                _count_reaches(store, "refimpl/connected", world_size, startup.total_seconds())
         with contextlib.suppress(Exception):
+            store.set(f"refimpl/teardown/{rank}", "1")  # read by the test hook above
             dist.destroy_process_group()
 
 
