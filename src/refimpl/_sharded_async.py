@@ -15,8 +15,10 @@ ours:
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import os
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -88,6 +90,7 @@ class AsyncSaveHandle:
         self.staged_bytes = staged_bytes
         self._future = future
         self.error_seen = False  # its error reached the caller once: the saver will not re-raise
+        _UNWAITED.add(self)  # until someone waits for it: see _warn_unwaited_at_exit
 
     def done(self) -> bool:
         """Whether the save has finished (committed or failed)."""
@@ -105,6 +108,37 @@ class AsyncSaveHandle:
             if self._future.done() and self._future.exception() is not None:
                 self.error_seen = True  # its own error, not a timeout or a Ctrl-C while waiting
             raise
+        finally:
+            if self._future.done():
+                _UNWAITED.discard(self)
+
+    def _status(self) -> str:
+        if not self._future.done():
+            return "was still running (it is lost: nothing was published)"
+        error = self._future.exception()
+        if error is None:
+            return "had committed"
+        return f"had FAILED and was not published ({type(error).__name__}: {error})"
+
+
+_UNWAITED: set[AsyncSaveHandle] = set()
+
+
+@atexit.register
+def _warn_unwaited_at_exit() -> None:
+    """Say so when a process exits with an async save nobody waited for. By now Python has
+    joined the saver's worker thread (concurrent.futures joins its threads before atexit
+    handlers run), so each save has either committed or failed; without this, a failure
+    would vanish with the process and the next start would resume from an older step."""
+    for handle in sorted(_UNWAITED, key=lambda h: h.step):
+        print(
+            f"refimpl warning: the async save of step {handle.step} to {handle.path} was never "
+            f"waited for; at exit it {handle._status()}. Call handle.result() or "
+            "AsyncSaver.close() before the process group is destroyed and the process exits.",
+            file=sys.stderr,
+            flush=True,
+        )
+    _UNWAITED.clear()
 
 
 class AsyncSaver:
