@@ -54,7 +54,7 @@ class MetricTotal:
 
 
 MAX_COUNT = 2**53 - 1
-"""Largest count one rank may pass: float64 (what the sum travels as) counts exactly to 2**53."""
+"""Largest count one rank may pass. float64, what the sum travels as, counts exactly to 2**53."""
 _REASON_BYTES = 1024  # the bad rank's reason travels to every rank in a block of this size
 
 

@@ -40,7 +40,7 @@ from refimpl.state import capture_rng, capture_state, restore_state, unwrap_stat
 __all__ = ["VARIANTS", "main"]
 
 VARIANTS = ("ok", "no-rng", "no-sampler")
-"""What each trainer restores on a resume: everything, all but the RNG, all but the sampler."""
+"""What each trainer restores on a resume (everything; all but the RNG; all but the sampler)."""
 
 
 def _batches(sampler: ResumableSampler) -> Iterator[list[int]]:

@@ -25,7 +25,7 @@ __all__ = ["PARTS", "readme_runs", "restart_cost", "split_restarts", "stuck_save
 README_ARGS = ["--steps", "30", "--save-every", "5", "--seed", "3", "--ckpt-dir", "ck",
                "--final-weights", "w.pt"]  # fmt: skip
 PARTS = ("detect", "stop+rendezvous", "spawn", "imports", "group init", "load", "first step")
-"""The parts of R, in order: kill -> agent logs the failure -> rendezvous done -> process
+"""The parts of R, in order. kill -> agent logs the failure -> rendezvous done -> process
 created -> torch imported -> process group ready -> checkpoint loaded -> first step logged."""
 _AGENT = re.compile(r"^[IWE](\d\d)(\d\d) (\d\d):(\d\d):(\d\d\.\d+) .*\] (.*)$")
 _STAMP = re.compile(r"^\[rank(\d+)\] @([\d.]+) (.*)$")
