@@ -144,3 +144,42 @@ def test_json_rows_round_trip(tmp_path: Path) -> None:
                  "kill-job", "--json", str(out), "--", *_py(_LEAVES_ORPHAN)]) == 0  # fmt: skip
     saved = json.loads(out.read_text())
     assert [(d["scenario"], d["equal"]) for d in saved] == [(r.scenario, r.equal) for r in rows]
+
+
+# Two "ranks" (RANK=0, RANK=1) that the scenarios can kill or stop; it records when its first
+# run started and when a run finished, so the test can see two scenarios overlap (a fact
+# about order, not about speed).
+_STAMPS_ITS_RUN = """
+    import json, os, struct, subprocess, sys, time
+    out = sys.argv[1]
+    try:
+        with open(os.path.join(out, "started_at"), "x") as f:
+            f.write(repr(time.time()))
+    except FileExistsError:
+        pass
+    ranks = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"],
+                              env={**os.environ, "RANK": str(r)}) for r in (0, 1)]
+    print("started", flush=True)
+    for rank in ranks:
+        rank.wait()  # a rank killed or stopped by the scenario ends early: the result stands
+    head = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    with open(os.path.join(out, "w.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head + struct.pack("<f", 1.0))
+    with open(os.path.join(out, "ended_at"), "w") as f:
+        f.write(repr(time.time()))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_jobs_runs_scenarios_side_by_side_and_keeps_their_order(tmp_path: Path) -> None:
+    names = ["kill-rank1", "sigterm-job"]
+    rows = run_chaos(_py(_STAMPS_ITS_RUN), kill_on="^started$", compare="w.safetensors",
+                     scenarios=names, timeout_s=30, work=tmp_path, jobs=2)  # fmt: skip
+    assert [(r.scenario, r.equal) for r in rows] == [(n, True) for n in names]
+    (a0, a1), (b0, b1) = (
+        (float((tmp_path / n / "started_at").read_text()),
+         float((tmp_path / n / "ended_at").read_text())) for n in names
+    )  # fmt: skip
+    assert a0 < b1 and b0 < a1, "with jobs=2 the two scenarios' runs overlap in time"
+    with pytest.raises(ChaosError, match="jobs must be a whole number >= 1, not 0"):
+        run_chaos(_py(_STAMPS_ITS_RUN), kill_on="^started$", compare="w.safetensors", jobs=0)

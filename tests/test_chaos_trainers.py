@@ -40,7 +40,7 @@ def test_alone_it_prints_the_lines_the_kill_test_waits_for(tmp_path: Path) -> No
 @pytest.mark.timeout(600)
 def test_correct_trainer_passes_every_scenario_and_leaves_no_process(tmp_path: Path) -> None:
     tag = uuid.uuid4().hex
-    rows = chaos_toy("ok", timeout_s=150, work=tmp_path, env={"CHAOS_TEST_TAG": tag})
+    rows = chaos_toy("ok", timeout_s=150, work=tmp_path, env={"CHAOS_TEST_TAG": tag}, jobs=2)
     table = format_table(rows)
     assert [r.scenario for r in rows] == list(SCENARIOS), table
     assert all(r.equal and r.difference is None for r in rows), table

@@ -487,3 +487,17 @@ def test_workers_without_collectives_start_and_stop_cleanly_many_times() -> None
     # Probabilistic (the race needs a loaded machine); the test above is the deterministic one.
     for _ in range(10):
         assert spawn(_workers.no_collective, 4, timeout_s=60) == [0, 1, 2, 3]
+
+
+def test_fork_server_preloads_dcp_only_where_this_process_uses_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch.distributed.checkpoint  # noqa: F401  (present: this session has sharded tests)
+
+    from refimpl.launch import _forkserver_preload
+
+    assert _forkserver_preload() == ["torch", "torch.distributed", "torch.distributed.checkpoint",
+                                     "torch.distributed.fsdp", "refimpl._rank_process"]  # fmt: skip
+    for name in ("torch.distributed.checkpoint", "torch.distributed.fsdp"):
+        monkeypatch.delitem(sys.modules, name)  # a chapter that never shards
+    assert _forkserver_preload() == ["torch", "torch.distributed", "refimpl._rank_process"]

@@ -37,9 +37,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from refimpl._argtypes import int_range
 from refimpl._chaos_compare import first_difference, load_flat
 from refimpl._chaos_proc import Action, Run, kill_run, run_once, signal_all, workers
 
@@ -129,6 +131,7 @@ def run_chaos(
     work: str | os.PathLike[str] | None = None,
     env: Mapping[str, str] | None = None,
     log: Callable[[str], None] | None = None,
+    jobs: int = 1,
 ) -> list[ChaosRow]:
     """Run the reference, then each scenario of ``scenarios``; return one `ChaosRow` each.
 
@@ -137,12 +140,15 @@ def run_chaos(
     searched in each output line. ``work`` is where the ``{out}`` directories go (kept;
     default a temporary directory, removed); ``env`` is added to this process's environment
     for the command, which also gets ``PYTHONUNBUFFERED=1`` (its lines arrive as printed) and
-    a marker that finds its processes; ``log`` gets one line per finished run. Raises
+    a marker that finds its processes; ``log`` gets one line per finished run. ``jobs``
+    scenarios run at a time, after the reference (side by side, each row's seconds grow). Raises
     `ChaosError` when the test cannot be run (see its docstring); a trainer that fails to
     recover (a wrong result, a failed or hung restart) is a row with ``equal=False``.
     """
     if unknown := [s for s in scenarios if s not in SCENARIOS]:
         raise ChaosError(f"unknown scenarios {unknown} (known: {', '.join(SCENARIOS)})")
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ChaosError(f"jobs must be a whole number >= 1, not {jobs!r}")
     if not any("{out}" in a for a in cmd):
         raise ChaosError("the command has no {out}: where would each run write?")
     try:
@@ -181,10 +187,8 @@ def run_chaos(
         except (OSError, RuntimeError, ValueError) as exc:
             raise ChaosError(f"the reference run wrote no readable {compare} under {{out}} "
                              f"({base / 'reference'}): {exc}") from exc  # fmt: skip
-        rows = []
-        for name in scenarios:
-            if name == "kill-rank0-save" and save_re is None:
-                continue
+
+        def scenario(name: str) -> ChaosRow:
             on_save = name == "kill-rank0-save"
             action = {"kill-rank1": _kill_rank(1, signal.SIGKILL),
                       "kill-rank0-save": _kill_rank(0, signal.SIGKILL),
@@ -194,8 +198,13 @@ def run_chaos(
             _check_started(runs[0], f"scenario {name}", regex, flag, timeout_s)
             if name in _RERUN:
                 runs.append(launch(name))
-            rows.append(_row(name, runs, base / name / compare, reference, resume_re))
-        return rows
+            return _row(name, runs, base / name / compare, reference, resume_re)
+
+        todo = [n for n in scenarios if n != "kill-rank0-save" or save_re is not None]
+        # Scenarios are independent (own {out}, own marker): side by side they overlap the
+        # time each spends waiting for torchrun to notice, restart and rendezvous.
+        with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="chaos") as pool:
+            return list(pool.map(scenario, todo))
     finally:
         if work is None:
             shutil.rmtree(base, ignore_errors=True)
@@ -251,6 +260,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     p.add_argument("--work", help="keep the runs' directories here (default: a temporary one)")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset")
+    p.add_argument(
+        "--jobs",
+        type=int_range(1),
+        default=1,
+        help="scenarios run side by side after the reference (default 1)",
+    )
     args = p.parse_args(args_in[:split])
     cmd = args_in[split + 1 :]
     if not cmd:
@@ -259,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         rows = run_chaos(cmd, kill_on=args.kill_on, compare=args.compare, save_on=args.save_on,
                          resume_on=args.resume_on, scenarios=args.scenarios.split(","),
-                         timeout_s=args.timeout, work=args.work,
+                         timeout_s=args.timeout, work=args.work, jobs=args.jobs,
                          log=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
     except ChaosError as exc:
         print(f"chaos: {exc}", file=sys.stderr)

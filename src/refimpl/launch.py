@@ -19,6 +19,7 @@ import numbers
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -165,6 +166,23 @@ def _exit_reason(exitcode: int | None) -> str:
     return f"exited with code {exitcode} without reporting a result"
 
 
+# Heavy parts of torch that a rank imports on top of torch.distributed: DCP and DTensor (with
+# sympy behind them) cost a fresh import ~0.8 s of CPU, in every rank of every job.
+_PRELOAD_IF_LOADED = ("torch.distributed.checkpoint", "torch.distributed.fsdp")
+
+
+def _forkserver_preload() -> list[str]:
+    """What the fork server imports once, so that a forked rank finds it imported already.
+
+    torch always. DCP and FSDP only when this process has imported them itself (a notebook
+    about sharded checkpoints, a test session that collected such tests): its ranks will
+    need them, while a chapter that never shards does not pay for them. The server starts at
+    the first `spawn` of a process and keeps its modules for every later one.
+    """
+    loaded = [name for name in _PRELOAD_IF_LOADED if name in sys.modules]
+    return ["torch", "torch.distributed", *loaded, "refimpl._rank_process"]
+
+
 def spawn(
     fn: Callable[..., Any],
     world_size: int,
@@ -220,7 +238,7 @@ def spawn(
     if start_method == "forkserver":
         # Workers fork from a server that has torch imported already: ~10 ms a rank
         # instead of the ~2 s a fresh interpreter needs to import torch.
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "refimpl._rank_process"])
+        ctx.set_forkserver_preload(_forkserver_preload())
     run_dir = tempfile.mkdtemp(prefix="refimpl-ranks-")
     procs: list[Any] = []
     job = f"{os.getpid()}-{os.urandom(6).hex()}"

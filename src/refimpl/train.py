@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from refimpl import _train_files, _train_sharded, _train_watchdog
+from refimpl import _train_files, _train_watchdog
 from refimpl._argtypes import float_range, int_range, nonempty
 from refimpl._train_resume import refuse_fresh_start
 from refimpl.atomic import atomic_save, atomic_write_bytes
@@ -227,7 +227,13 @@ def _load(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Opt
 
 def _backend(args: argparse.Namespace) -> Any:
     """Where checkpoints go: one file by rank 0 (DDP), or a shard by every rank (FSDP2)."""
-    return _train_sharded if args.sharded else _train_files
+    if not args.sharded:
+        return _train_files
+    # Imported only here: torch.distributed.checkpoint and DTensor add ~0.8 s of CPU to every
+    # worker's start (a third of it), and a torchrun restart pays it again on every rank.
+    from refimpl import _train_sharded
+
+    return _train_sharded
 
 
 def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device, log: _Log) -> int:
@@ -239,7 +245,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device
         barrier_safe(timeout_s=args.save_timeout)  # creates the save-wait group, once, now
     ddp: torch.nn.Module
     if args.sharded:
-        ddp = _train_sharded.shard_model(make_model(args.seed, args.dropout), device)
+        ddp = _backend(args).shard_model(make_model(args.seed, args.dropout), device)
     else:
         ddp = DDP(make_model(args.seed, args.dropout).to(device),
                   device_ids=[device] if device.type == "cuda" else None)  # fmt: skip
@@ -261,7 +267,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device
             if args.fail_at_step == step + 1 and rank == args.fail_rank % world:
                 _inject_fault(args.ckpt_dir, step + 1, log)
             if args.sharded:
-                _train_sharded.seed_step(args.seed, rank, step + 1)
+                _backend(args).seed_step(args.seed, rank, step + 1)
             batch = next(batches)
             if args.sample_log:  # step, epoch, indices: for checking that none is lost or repeated
                 with open(f"{args.sample_log}.rank{rank}", "a") as f:

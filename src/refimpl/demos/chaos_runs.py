@@ -31,16 +31,18 @@ def chaos_train(
     scenarios: Sequence[str] = SCENARIOS,
     timeout_s: float = 150.0,
     work: str | os.PathLike[str] | None = None,
+    jobs: int = 1,
 ) -> list[ChaosRow]:
     """The kill test on ``torchrun --nproc_per_node=2 --max-restarts=2 -m refimpl.train``.
 
     Kills land at rank 0's ``step 6`` line (after the step-4 checkpoint) and, for rank 0 in a
     save, at its ``step 8`` line, which `refimpl.train` prints just before saving step 8.
+    ``jobs`` scenarios run side by side (`refimpl.chaos.run_chaos`).
     """
     cmd = train_command([*TRAIN_ARGS, *(["--sharded"] if sharded else [])], max_restarts=2)
     return run_chaos(cmd, kill_on=r"^\[rank0\] step 6 loss", save_on=r"^\[rank0\] step 8 loss",
                      compare="w.pt", resume_on=r"\[rank0\] resumed from", scenarios=scenarios,
-                     timeout_s=timeout_s, work=work)  # fmt: skip
+                     timeout_s=timeout_s, work=work, jobs=jobs)  # fmt: skip
 
 
 def toy_command(variant: str = "ok", nproc: int = 2) -> list[str]:
@@ -58,11 +60,13 @@ def chaos_toy(
     timeout_s: float = 150.0,
     work: str | os.PathLike[str] | None = None,
     env: dict[str, str] | None = None,
+    jobs: int = 1,
 ) -> list[ChaosRow]:
     """The kill test on a `refimpl.demos.chaos_trainers` variant (``ok``, ``no-rng``,
     ``no-sampler``): kills at ``step 6``, rank 0 at ``saving step 12``; ``env`` is added to
-    the command's environment. Neither trainer needs ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``:
-    both call `refimpl.launch.init_from_env`, which scopes each attempt's keys."""
+    the command's environment; ``jobs`` scenarios run side by side. Neither trainer needs
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``: both call `refimpl.launch.init_from_env`, which
+    scopes each attempt's keys."""
     return run_chaos(toy_command(variant), kill_on=r"^step 6 loss", save_on=r"^saving step 12",
                      compare="final.pt", scenarios=scenarios, timeout_s=timeout_s, work=work,
-                     env=env)  # fmt: skip
+                     env=env, jobs=jobs)  # fmt: skip
