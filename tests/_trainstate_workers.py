@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from refimpl import _train_files
-from refimpl.checkpoint import save_checkpoint
+from refimpl.checkpoint import CheckpointError, save_checkpoint
 from refimpl.data import ResumableSampler
 from refimpl.trainstate import (
     CheckpointMismatch,
@@ -101,3 +101,13 @@ def train_files_load_from_own_dir(dirs: list[str]) -> Any:
     except CheckpointMismatch as exc:
         return {"seen": exc.seen, "message": str(exc)}
     return step
+
+
+def resume_or_error(ckpt_dir: str) -> str:
+    """What `resume_every_rank` does on this rank: the step, None, or the error's message."""
+    model, opt = tiny_model()
+    try:
+        resumed = resume_every_rank(ckpt_dir, model, opt)
+    except CheckpointError as exc:
+        return f"CheckpointError: {exc}"
+    return f"step {resumed.step}" if resumed is not None else "None"

@@ -10,7 +10,7 @@ import _trainstate_workers as w
 import pytest
 import torch
 
-from refimpl.checkpoint import load_latest, save_checkpoint
+from refimpl.checkpoint import CheckpointError, load_latest, save_checkpoint
 from refimpl.data import ResumableSampler
 from refimpl.launch import spawn
 from refimpl.state import STATE_KEYS
@@ -147,3 +147,21 @@ def test_refimpl_trains_loader_uses_the_same_check(tmp_path: Path) -> None:
     reports = spawn(w.train_files_load_from_own_dir, 2, [str(a), str(b)], timeout_s=40)
     assert [[s for s, _ in r["seen"]] for r in reports] == [[4, 8], [4, 8]]
     assert "Put the checkpoint directory on a filesystem every node sees" in reports[1]["message"]
+
+
+@pytest.mark.timeout(60)
+def test_committed_steps_that_all_fail_to_load_stop_every_rank_instead_of_starting_over(
+    tmp_path: Path,
+) -> None:
+    model, opt = w.tiny_model()
+    state = capture_every_rank(model, opt, step=4)
+    assert state is not None
+    step_dir = save_checkpoint(tmp_path, state, 4)
+    (step_dir / "model.pt").write_bytes(b"flipped")  # the only step: committed, now unloadable
+    skipped: list[str] = []
+    with pytest.raises(CheckpointError, match=r"none of them loads \(step_00000004: .*model\.pt"):
+        resume_every_rank(tmp_path, model, opt, on_skip=lambda d, why: skipped.append(d.name))
+    assert skipped == ["step_00000004"]  # the caller's on_skip still hears of it
+    got = spawn(w.resume_or_error, 2, str(tmp_path), timeout_s=40)
+    assert all(g.startswith("CheckpointError: ") and "none of them loads" in g for g in got), got
+    assert step_dir.is_dir()  # nothing was trained over it

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from refimpl.checkpoint import load_latest
+from refimpl.atomic import COMMIT_MARKER
+from refimpl.checkpoint import CheckpointError, _log_skip, load_latest
 from refimpl.data import ResumableSampler
 from refimpl.state import capture_rng, capture_state, restore_state
 
@@ -154,6 +155,21 @@ def check_same_checkpoint(
         )
 
 
+def _refuse_to_start_over(ckpt_dir: str | os.PathLike[str], why: str | None, world: int) -> None:
+    """Raise on every rank if any rank found committed steps it could not load."""
+    seen: list[Any] = [why]
+    if world > 1:
+        seen = [None] * world
+        dist.all_gather_object(seen, why)  # each rank read its own listing: stop together
+    if reasons := next((w for w in seen if w), None):
+        raise CheckpointError(
+            ckpt_dir,
+            f"holds committed steps but none of them loads ({reasons}). Starting from step 0 "
+            "would train over them and, as saves prune old steps, delete them: fix what the "
+            "reasons say, or move the steps away to start a new run",
+        )
+
+
 @dataclass
 class Resumed:
     """What `resume_every_rank` restored: the step, the saved epoch and world size, the
@@ -191,7 +207,10 @@ def resume_every_rank(
     position carries over to any world size (`refimpl.data.ResumableSampler`), the RNG
     streams only to the world size they were saved at; at another one every rank keeps the
     stream it seeded itself and ``rng_restored`` is False. Returns None (on every rank) when
-    there is no checkpoint. Call it after seeding, before the loop. Example::
+    there is no checkpoint. When committed steps exist but none of them loads, it raises
+    `refimpl.checkpoint.CheckpointError` on every rank with each step's reason, instead of
+    returning None: a run that started over would train from step 0 and save over them.
+    Call it after seeding, before the loop. Example::
 
         resumed = resume_every_rank("ckpt", model, opt, sampler=sampler)
         start = 0 if resumed is None else resumed.step
@@ -199,14 +218,21 @@ def resume_every_rank(
     """
     rank, world = _world()
     loaded: dict[str, str] = {}
+    unloadable: list[str] = []
 
     def remember(step_dir: Path, manifest: dict[str, Any]) -> None:
         loaded["digest"] = manifest_digest(manifest)
 
-    found = load_latest(ckpt_dir, on_skip=on_skip, map_location=map_location, on_load=remember)
+    def skipped(step_dir: Path, why: str) -> None:
+        if (step_dir / COMMIT_MARKER).is_file():  # a step a save finished, now unloadable
+            unloadable.append(f"{step_dir.name}: {why}")
+        (on_skip or _log_skip)(step_dir, why)
+
+    found = load_latest(ckpt_dir, on_skip=skipped, map_location=map_location, on_load=remember)
     check_same_checkpoint(None if found is None else found[0], loaded.get("digest"),
                           ckpt_dir=ckpt_dir)  # fmt: skip
     if found is None:
+        _refuse_to_start_over(ckpt_dir, "; ".join(unloadable) or None, world)
         return None
     info = restore_state(found[1], model, optimizer, scheduler=scheduler, scaler=scaler,
                          rank=rank, world_size=world)  # fmt: skip
