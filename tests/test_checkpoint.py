@@ -697,3 +697,18 @@ def test_a_failed_save_names_the_step_and_the_key_not_a_temporary_file(tmp_path:
     assert TEMP_TAG not in text and "previous model.pt" not in text, text
     assert "step_00000002" in text and "model.pt" in text and "permissions" in text, text
     assert "disk" not in text, text
+
+
+def test_on_load_gets_the_returned_steps_verified_manifest_only(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, {"model": {"w": torch.zeros(3)}}, 1)
+    newest = save_checkpoint(tmp_path, {"model": {"w": torch.ones(3)}}, 2)
+    (newest / "model.pt").write_bytes(b"torn")  # the newest is skipped
+    loaded: list[tuple[str, dict]] = []  # type: ignore[type-arg]
+    skipped: list[str] = []
+    found = load_latest(tmp_path, on_skip=lambda d, why: skipped.append(d.name),
+                        on_load=lambda d, m: loaded.append((d.name, m)))  # fmt: skip
+    assert found is not None and found[0] == 1
+    assert skipped == ["step_00000002"]
+    assert [name for name, _ in loaded] == ["step_00000001"]
+    manifest = json.loads((tmp_path / "step_00000001" / MANIFEST).read_text())
+    assert loaded[0][1] == manifest and loaded[0][1]["step"] == 1

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from refimpl.data import ResumableSampler
+from refimpl.data import ResumableBatches, ResumableSampler
 from refimpl.demos.resume import count_lost_repeated, resumable_draws
 
 
@@ -145,3 +145,120 @@ def test_any_save_after_set_epoch_resumes_the_whole_new_epoch(
         s.set_epoch(1)
         drawn += [i for p, i in zip(s.positions(), s, strict=True) if not s.is_padding(p)]
     assert sorted(drawn) == list(range(n))
+
+
+# --- issue 24 item 2: ResumableBatches, and what batches_done counts from ----------------------
+
+
+def _stream(n: int, batch: int, ws: int, epochs: int, tail: str = "pad") -> list[list[list[int]]]:
+    """Each rank's batches of ``epochs`` whole epochs, straight from the sampler."""
+    out = []
+    for r in range(ws):
+        s = ResumableSampler(n, batch_size=batch, rank=r, world_size=ws, tail=tail)  # type: ignore[arg-type]
+        mine = []
+        for e in range(epochs):
+            s.set_epoch(e)
+            idx = list(s)
+            mine += [idx[i : i + batch] for i in range(0, len(idx), batch)]
+        out.append(mine)
+    return out
+
+
+def test_batches_run_epoch_after_epoch_and_pair_each_batch_with_its_position() -> None:
+    s = ResumableSampler(10, batch_size=2, rank=0, world_size=2, seed=0)
+    b = ResumableBatches(s)
+    got = [next(b) for _ in range(9)]  # 3 global batches an epoch (the last one padded)
+    assert [batch for _, batch in got] == _stream(10, 2, 2, 3)[0]
+    assert [(st_["epoch"], st_["position"]) for st_, _ in got] == [
+        (0, 0), (0, 4), (0, 8), (1, 0), (1, 4), (1, 8), (2, 0), (2, 4), (2, 8)
+    ]  # fmt: skip
+    assert b.state_dict() == {"seed": 0, "epoch": 2, "position": 12}  # after the last one
+    assert iter(b) is b
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.integers(1, 40),
+    batch=st.integers(1, 4),
+    ws=st.integers(1, 3),
+    new_ws=st.integers(1, 3),
+    k=st.integers(0, 25),
+    tail=st.sampled_from(["pad", "drop"]),
+)
+def test_resuming_from_a_batchs_position_draws_that_batch_again_at_any_world_size(
+    n: int, batch: int, ws: int, new_ws: int, k: int, tail: str
+) -> None:
+    if n < batch * max(ws, new_ws) and tail == "drop":
+        return  # no full batch at all: refused (next test)
+    ranks = [ResumableBatches(ResumableSampler(n, batch_size=batch, rank=r, world_size=ws,
+                                               tail=tail)) for r in range(ws)]  # type: ignore[arg-type]  # fmt: skip
+    drawn = [[next(b) for _ in range(k + 1)] for b in ranks]  # batch k was fetched ahead ...
+    states = [d[k][0] for d in drawn]  # ... and its position is what a checkpoint saves
+    assert all(st_ == states[0] for st_ in states)  # the same on every rank
+    if new_ws == ws:  # the same world: exactly the batches from k on, rank by rank
+        for r in range(ws):
+            s = ResumableSampler(n, batch_size=batch, rank=r, world_size=ws, tail=tail)  # type: ignore[arg-type]
+            s.load_state_dict(states[0])
+            again = ResumableBatches(s)
+            assert [next(again)[1] for _ in range(3)] == [
+                bt for _, bt in [*drawn[r][k:], *(next(ranks[r]) for _ in range(2))]
+            ]
+    # any world: the rest of the epoch is the samples nobody trained yet, each once
+    epoch, pos = states[0]["epoch"], states[0]["position"]
+    rest, dropped = [], 0
+    for r in range(new_ws):
+        s = ResumableSampler(n, batch_size=batch, rank=r, world_size=new_ws, tail=tail)  # type: ignore[arg-type]
+        s.load_state_dict(states[0])
+        dropped = s.dropped_tail  # (read before iterating: a finished epoch starts over)
+        rest += [i for p, i in zip(s.positions(), s, strict=True) if not s.is_padding(p)]
+    perm = ResumableSampler(n, batch_size=batch, rank=0, world_size=1)
+    perm.set_epoch(epoch)
+    order = perm.permutation().tolist()
+    assert sorted(rest) == sorted(order[pos : n - dropped])
+
+
+def test_batches_refuse_an_epoch_without_one_full_batch_instead_of_looping() -> None:
+    s = ResumableSampler(3, batch_size=2, rank=0, world_size=2, tail="drop")
+    with pytest.raises(ValueError, match="no full global batch of 4"):
+        next(ResumableBatches(s))
+
+
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(1, 30), batch=st.integers(1, 4), ws=st.integers(1, 3),
+       start=st.integers(0, 30), k=st.integers(0, 20))  # fmt: skip
+def test_batches_state_dict_is_the_samplers_when_nothing_is_fetched_ahead(
+    n: int, batch: int, ws: int, start: int, k: int
+) -> None:
+    # refimpl.train saves batches.state_dict() where it used to save sampler.state_dict():
+    # checkpoints keep their meaning.
+    s = ResumableSampler(n, batch_size=batch, rank=ws - 1, world_size=ws)
+    s.load_state_dict({"seed": 0, "epoch": 0, "position": min(start, n)})
+    b = ResumableBatches(s)
+    for _ in range(k):
+        next(b)
+        assert b.state_dict() == s.state_dict()
+
+
+def test_batches_done_counts_from_where_the_epoch_was_resumed_as_documented() -> None:
+    # state_dict's docstring: resumed at 40, 3 batches of a global batch of 8 -> position 64.
+    s = ResumableSampler(100, batch_size=4, rank=1, world_size=2, seed=0)
+    s.load_state_dict({"seed": 0, "epoch": 0, "position": 40})
+    it = iter(s)
+    for _ in range(3 * 4 + 6):  # 3 batches trained, one and a half more prefetched
+        next(it)
+    assert s.state_dict(batches_done=3) == {"seed": 0, "epoch": 0, "position": 64}
+    s.set_epoch(1)  # a new epoch: counted from 0 again
+    assert s.state_dict(batches_done=3)["position"] == 24
+
+
+def test_the_class_docstring_example_says_what_it_does() -> None:
+    s = ResumableSampler(10, batch_size=2, rank=0, world_size=2, seed=0)
+    it = iter(s)
+    [next(it) for _ in range(2)]
+    st_ = s.state_dict(batches_done=1)
+    assert st_ == {"seed": 0, "epoch": 0, "position": 4}
+    t = ResumableSampler(10, batch_size=4, rank=0, world_size=1, seed=0)
+    t.load_state_dict(st_)
+    rest = list(t)
+    assert len(rest) == 8 and [t.is_padding(p) for p in t.positions()].count(True) == 2
+    assert sorted(rest[:6]) == sorted(s.permutation().tolist()[4:])

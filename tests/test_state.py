@@ -6,11 +6,13 @@ import random
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from refimpl.checkpoint import load_latest, safe_load, save_checkpoint
 from refimpl.state import (
+    STATE_KEYS,
     capture_rng,
     capture_state,
     export_safetensors,
@@ -90,7 +92,8 @@ def test_full_state_round_trip_via_checkpoint(tmp_path: Path) -> None:
     scaler2 = torch.amp.GradScaler("cpu", init_scale=2.0)
     info = restore_state(found[1], m2, opt2, scheduler=sched2, scaler=scaler2)
     assert info == {"epoch": 1, "step": 3, "world_size": 2,
-                    "sampler": {"seed": 0, "epoch": 1, "position": 24}}  # fmt: skip
+                    "sampler": {"seed": 0, "epoch": 1, "position": 24},
+                    "extra": {}, "rng_restored": True}  # fmt: skip
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters(), strict=True))
     assert sched2.state_dict() == sched.state_dict()
     assert scaler2.get_scale() == scaler.get_scale()
@@ -128,3 +131,46 @@ def test_per_rank_rng_list_not_restored_on_other_world_size() -> None:
     torch.manual_seed(7)
     restore_state(state, m, rank=1, world_size=4)
     assert torch.equal(torch.rand(2), expected)
+
+
+# --- issue 24 item 3: the user's own keys are part of the API ----------------------------------
+
+
+def test_user_keys_travel_through_a_checkpoint_and_come_back_as_extra(tmp_path: Path) -> None:
+    m, opt, _, _ = _trained()
+    model_args = {"n_layer": 2, "n_embd": 32, "bias": False}
+    state = capture_state(m, opt, step=5, extra={"best_val_loss": 1.25, "model_args": model_args})
+    assert set(state) == {*STATE_KEYS, "best_val_loss", "model_args"}
+    state["config"] = {"lr": 3e-4, "dataset": "shakespeare_char"}  # set on the dict: same thing
+    save_checkpoint(tmp_path, state, step=5)
+    assert sorted(p.name for p in (tmp_path / "step_00000005").glob("*.pt")) == sorted(
+        f"{k}.pt" for k in state
+    )  # one file per key, the user's included
+    found = load_latest(tmp_path)
+    assert found is not None
+    info = restore_state(found[1], m, opt)
+    assert info["extra"] == {"best_val_loss": 1.25, "model_args": model_args,
+                             "config": {"lr": 3e-4, "dataset": "shakespeare_char"}}  # fmt: skip
+    assert info["step"] == 5 and info["rng_restored"]
+
+
+@pytest.mark.parametrize(
+    ("key", "why"),
+    [("step", "capture_state writes itself"), ("rng", "capture_state writes itself"),
+     ("a/b", "file-name-safe|letters, digits"), (".hidden", "letters, digits"),
+     (3, "letters, digits")],
+)  # fmt: skip
+def test_a_user_key_that_would_clash_or_not_save_is_refused(key: object, why: str) -> None:
+    m, opt, _, _ = _trained()
+    with pytest.raises(ValueError, match=why):
+        capture_state(m, opt, extra={key: 1.0})  # type: ignore[dict-item]
+
+
+def test_rng_restored_says_whether_this_rank_got_its_stream_back() -> None:
+    m, opt, _, _ = _trained()
+    both = capture_state(m, opt, rng=[capture_rng(), capture_rng()], world_size=2)
+    assert restore_state(both, m, rank=1, world_size=2)["rng_restored"]
+    assert not restore_state(both, m, rank=1, world_size=3)["rng_restored"]
+    assert not restore_state(both, m, rank=2)["rng_restored"]  # no such saved rank
+    assert not restore_state({**both, "rng": None}, m)["rng_restored"]
+    assert restore_state(capture_state(m, opt), m)["rng_restored"]  # one state: restored as is

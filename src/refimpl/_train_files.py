@@ -1,16 +1,17 @@
 """``python -m refimpl.train`` without ``--sharded``: DDP and chapter 5-6's file checkpoints.
 
-Rank 0 writes the whole training state (`refimpl.state.capture_state`: weights without the
-``module.`` prefix, AdamW, the sampler position, every rank's RNG) as one verified
+Rank 0 writes the whole training state (`refimpl.trainstate.capture_every_rank`: weights
+without the ``module.`` prefix, AdamW, the sampler position, every rank's RNG) as one verified
 checkpoint; the other ranks wait for it with chapter 4's `main_process_first`. On a start,
 every rank reads the newest checkpoint that verifies, and the ranks check that they found
-the same one. `refimpl._train_sharded` has the same two functions for FSDP2.
+the same one (`refimpl.trainstate.check_same_checkpoint`). `refimpl._train_sharded` has the
+same two functions for FSDP2.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,28 +20,29 @@ import torch.distributed as dist
 
 from refimpl.checkpoint import load_latest, save_checkpoint
 from refimpl.data import ResumableSampler
-from refimpl.state import capture_rng, capture_state, restore_state, unwrap_state_dict
+from refimpl.state import restore_state, unwrap_state_dict
 from refimpl.sync import main_process_first
+from refimpl.trainstate import capture_every_rank, check_same_checkpoint, manifest_digest
 
 
 def save(
     args: argparse.Namespace,
     model: torch.nn.Module,
     opt: torch.optim.Optimizer,
-    sampler: ResumableSampler,
+    sampler_state: Mapping[str, int],
     step: int,
     log: Callable[[str], None],
 ) -> None:
     """Every rank captures its RNG, rank 0 writes the checkpoint, the others wait for it."""
     world = dist.get_world_size()
-    rngs: list[Any] = [None] * world
-    dist.all_gather_object(rngs, capture_rng())  # each rank's dropout stream differs: keep all
-    state = capture_state(model, opt, sampler_state=sampler.state_dict(), rng=rngs,
-                          epoch=sampler.epoch, step=step, world_size=world)  # fmt: skip
+    # Every rank's RNG goes to rank 0 (each rank's dropout stream differs: keep all).
+    state = capture_every_rank(model, opt, sampler_state=sampler_state,
+                               epoch=int(sampler_state["epoch"]), step=step)  # fmt: skip
     # The other ranks wait here (not in the next step's all-reduce, under the training
     # timeout) and raise at once if rank 0's save fails: chapter 4.
     with main_process_first(timeout_s=args.save_timeout if world > 1 else None) as is_main:
         if is_main:
+            assert state is not None  # rank 0 gets the state
             path = save_checkpoint(args.ckpt_dir, state, step, keep_last=args.keep_last)
             log(f"saved {path.name}")
 
@@ -56,20 +58,16 @@ def load(
 ) -> int:
     """Restore the newest checkpoint on every rank, less ``--no-restore``; return its step
     (0 without one); each step skipped goes to ``on_skip(step_dir, reason)``."""
-    found = load_latest(args.ckpt_dir, map_location=device,
-                        on_skip=on_skip)  # fmt: skip
+    digest: dict[str, str] = {}
+    found = load_latest(args.ckpt_dir, map_location=device, on_skip=on_skip,
+                        on_load=lambda _, m: digest.update(d=manifest_digest(m)))  # fmt: skip
     # Every rank reads the directory itself; on nodes without a shared filesystem (or with one
     # that lags) they can see different steps, and would then silently train different models.
-    seen: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, None if found is None else found[0])
-    if len(set(seen)) > 1:
-        raise RuntimeError(
-            f"rank {dist.get_rank()}: ranks found different latest checkpoints in "
-            f"{args.ckpt_dir} (by rank: {seen}). Put --ckpt-dir on a filesystem every node sees."
-        )
+    check_same_checkpoint(None if found is None else found[0], digest.get("d"),
+                          ckpt_dir=args.ckpt_dir)  # fmt: skip
     if found is None:
         return 0
-    state = dict(found[1])
+    state: dict[str, Any] = dict(found[1])
     if "rng" in args.no_restore:
         state["rng"] = None
     optimizer = None if "optimizer" in args.no_restore else opt

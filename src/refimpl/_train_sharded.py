@@ -14,7 +14,7 @@ another world size the ranks, and so the streams, differ anyway).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +45,10 @@ def seed_step(seed: int, rank: int, step: int) -> None:
     torch.manual_seed((seed * 1_000_003 + rank) * 1_000_003 + step)
 
 
-def _extra(sampler: ResumableSampler | None = None, step: int = 0) -> dict[str, torch.Tensor]:
-    s: dict[str, Any] = sampler.state_dict() if sampler is not None else {}
+def _extra(
+    sampler_state: Mapping[str, int] | None = None, step: int = 0
+) -> dict[str, torch.Tensor]:
+    s: Mapping[str, Any] = sampler_state if sampler_state is not None else {}
     values = [step, s.get("seed", 0), s.get("epoch", 0), s.get("position", 0)]
     return {"trainer": torch.tensor(values, dtype=torch.int64)}
 
@@ -55,13 +57,13 @@ def save(
     args: argparse.Namespace,
     model: torch.nn.Module,
     opt: torch.optim.Optimizer,
-    sampler: ResumableSampler,
+    sampler_state: Mapping[str, int],
     step: int,
     log: Callable[[str], None],
 ) -> None:
     """Collective: every rank writes its shard; rank 0 commits the step when all are durable."""
     path = save_sharded(args.ckpt_dir, model, opt, step, keep_last=args.keep_last,
-                        extra=_extra(sampler, step))  # fmt: skip
+                        extra=_extra(sampler_state, step))  # fmt: skip
     if dist.get_rank() == 0:
         log(f"saved {path.name}")
 

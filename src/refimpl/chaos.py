@@ -22,7 +22,9 @@ bit for bit; the exit status is 0 only when every scenario matches. Workers are 
 ``/proc`` (Linux). The command runs with ``PYTHONUNBUFFERED=1``, so its lines arrive as they
 are printed and a kill lands where its line says. Every run has a ``--timeout``, and every
 process a run started is killed when it ends. The trainer must be deterministic for a given
-seed (the reference run is compared with runs on the same machine).
+seed (the reference run is compared with runs on the same machine), and it should draw from
+its RNG while training (dropout, random batches): a run that draws nothing cannot show that a
+resume forgot to restore the RNG streams (chapter 11).
 """
 
 from __future__ import annotations

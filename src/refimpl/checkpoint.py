@@ -238,13 +238,21 @@ def load_checkpoint(
     ``keys`` loads only those top-level keys (every file is still verified first);
     ``map_location`` goes to ``torch.load``, e.g. ``{"cuda:0": f"cuda:{local_rank}"}``.
     """
+    return _load_verified(step_dir, keys, map_location)[1]
+
+
+def _load_verified(
+    step_dir: str | os.PathLike[str], keys: Iterable[str] | None, map_location: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`load_checkpoint`, returning the manifest that was verified along with the state."""
     manifest = verify_checkpoint(step_dir)
     names = {name[: -len(".pt")]: name for name in manifest["files"]}
     wanted = list(names) if keys is None else list(keys)
     unknown = [k for k in wanted if k not in names]
     if unknown:
         raise CheckpointError(step_dir, f"no key(s) {unknown}; it has {sorted(names)}")
-    return {k: safe_load(Path(step_dir) / names[k], map_location=map_location) for k in wanted}
+    state = {k: safe_load(Path(step_dir) / names[k], map_location=map_location) for k in wanted}
+    return manifest, state
 
 
 def _log_skip(step_dir: Path, reason: str) -> None:
@@ -275,6 +283,7 @@ def load_latest(
     *,
     on_skip: Callable[[Path, str], None] | None = None,
     map_location: Any = "cpu",
+    on_load: Callable[[Path, dict[str, Any]], None] | None = None,
 ) -> tuple[int, dict[str, Any]] | None:
     """The newest checkpoint in ``ckpt_dir`` that verifies, as ``(step, state)``; else None.
 
@@ -285,6 +294,9 @@ def load_latest(
     before its bytes match the manifest. With no steps at all it returns None and logs what
     it looked at; pointing it at a step directory, or at the parent of the checkpoint
     directory, is a `CheckpointError` that says which directory to pass instead.
+    ``on_load(step_dir, manifest)``, if given, is called with the step returned and the
+    manifest its files were verified against (`refimpl.trainstate.check_same_checkpoint`
+    compares its digest across ranks).
 
     Example::
 
@@ -299,11 +311,15 @@ def load_latest(
         return None
     for step, step_dir in reversed(steps):
         try:
-            return step, load_checkpoint(step_dir, map_location=map_location)
+            manifest, state = _load_verified(step_dir, None, map_location)
         except CheckpointError as exc:
             report(step_dir, exc.reason if exc.path == step_dir else str(exc))
         except OSError as exc:  # e.g. the directory vanished between listing and reading
             report(step_dir, f"cannot be read ({exc})")
+        else:
+            if on_load is not None:
+                on_load(step_dir, manifest)
+            return step, state
     return None
 
 

@@ -14,29 +14,35 @@ fills the last global batch with samples from the start of the permutation (stre
 ``>= dataset_len``, reported by `is_padding`), so every sample is drawn and every rank gets a
 full batch; ``tail="drop"`` ends the epoch instead, and those last samples are not drawn in
 this epoch (`dropped_tail` says how many).
+
+`ResumableBatches` is the loop around the sampler that a trainer needs: this rank's batches
+epoch after epoch, each handed out with the sampler state to save in a checkpoint taken before
+that batch is trained, so a script that fetches its next batch ahead (prefetching) still
+saves the right position.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
 from torch.utils.data import Sampler
 
-__all__ = ["ResumableSampler"]
+__all__ = ["ResumableBatches", "ResumableSampler"]
 
 
 class ResumableSampler(Sampler[int]):
     """This rank's sample indices, resumable at any world size.
 
     ``state_dict()`` is ``{"seed", "epoch", "position"}``, with ``position`` the global
-    stream positions drawn this epoch. Under a ``DataLoader`` the sampler's own iterator runs
-    ahead of training (prefetching), so a trainer passes what it has *consumed*:
-    ``state_dict(batches_done=k)``, k = batches this rank has trained on in this epoch *since
-    the position the epoch was started or resumed from* (0 after `set_epoch` to a new epoch,
-    the loaded ``position`` after `load_state_dict`), not since the epoch's first sample.
-    Example::
+    stream positions drawn this epoch: the same on every rank, and meaningful at any world
+    size. A training loop rarely calls it directly: `ResumableBatches` hands out each batch
+    with the state to save. Without it, note that under a ``DataLoader`` the sampler's own
+    iterator runs ahead of training (prefetching), so a trainer passes what it has *consumed*:
+    ``state_dict(batches_done=k)``, with k counted from where this epoch's iteration started
+    (see `state_dict`). Example::
 
         s = ResumableSampler(10, batch_size=2, rank=0, world_size=2, seed=0)
         it = iter(s); [next(it) for _ in range(2)]     # first global batch, rank 0's half
@@ -134,12 +140,16 @@ class ResumableSampler(Sampler[int]):
     def state_dict(self, batches_done: int | None = None) -> dict[str, int]:
         """The global position after ``batches_done`` batches of this rank in this epoch.
 
-        ``batches_done`` counts from where this epoch's iteration started: 0 for an epoch
-        begun with `set_epoch`, the loaded ``position`` for one resumed with
-        `load_state_dict`. Without ``batches_done`` the sampler's own count of handed-out
-        indices (since that same start) is used,
-        which is right only when nothing prefetches (``num_workers=0``, saved between
-        batches); with worker processes the iterator is several batches ahead.
+        ``batches_done`` counts from the position this epoch's iteration started at, which
+        is not always the epoch's first sample: 0 for an epoch begun with `set_epoch` (or
+        never resumed), but the loaded ``position`` for an epoch resumed with
+        `load_state_dict`. So after resuming at position 40 and training 3 batches of a
+        global batch of 8, pass ``batches_done=3`` (the result is position 64), not the
+        number of batches since the epoch's start. Without ``batches_done`` the sampler's
+        own count of handed-out indices (since that same start) is used, which is right only
+        when nothing prefetches (``num_workers=0``, saved between batches); with worker
+        processes the iterator is several batches ahead. `ResumableBatches` does this
+        counting for you.
         """
         if batches_done is None:
             batches_done = self._yielded // self.batch_size
@@ -158,3 +168,71 @@ class ResumableSampler(Sampler[int]):
         self.epoch = int(state["epoch"])
         self._start = self._iter_start = int(state["position"])
         self._yielded = 0
+
+
+class ResumableBatches:
+    """This rank's batches from a `ResumableSampler`, epoch after epoch, each with its position.
+
+    ``next(batches)`` returns ``(state, batch)``: ``batch`` is this rank's next list of
+    ``batch_size`` sample indices, and ``state`` the sampler state to put in a checkpoint
+    taken *before* ``batch`` is trained; a run resumed from it (a sampler built alike,
+    ``load_state_dict(state)``, a new ``ResumableBatches``) hands out ``batch`` again, then
+    what followed it. The state travels with its batch, so a loop that fetches a batch ahead
+    (nanoGPT's "prefetch the next batch" before the forward pass) saves the position of the
+    batch it will train next, not of the one it fetched last. `state_dict` is the position
+    after every batch handed out so far: what to save in a loop that saves *after* training a
+    batch and fetches nothing ahead (`refimpl.train`). When an epoch has no full batch left
+    the iterator moves the sampler to the next epoch (`ResumableSampler.set_epoch`), so it
+    never ends. It reads the sampler's position at its first batch, so it may be built before
+    or after ``sampler.load_state_dict``. Example::
+
+        sampler = ResumableSampler(len(data), batch_size=4, rank=rank, world_size=world)
+        if resumed is not None:
+            sampler.load_state_dict(resumed["sampler"])
+        batches = ResumableBatches(sampler)
+        position, batch = next(batches)                 # prefetch, as nanoGPT does
+        for step in range(start, steps):
+            if step % save_every == 0:
+                save(..., sampler_state=position)        # resumes at `batch`
+            x = data[batch]
+            position, batch = next(batches)              # the next one, ahead of training
+            train_step(x)
+    """
+
+    def __init__(self, sampler: ResumableSampler) -> None:
+        self.sampler = sampler
+        self._epoch_iter: Iterator[int] | None = None
+        self._start = 0  # where the current epoch's iteration started
+        self._done = 0  # batches handed out since then
+
+    def __iter__(self) -> ResumableBatches:
+        return self
+
+    def state_dict(self) -> dict[str, int]:
+        """The sampler state after every batch handed out so far (the next batch's position)."""
+        s = self.sampler
+        if self._epoch_iter is None:  # between epochs, or before the first batch
+            return {"seed": s.seed, "epoch": s.epoch, "position": s._start}
+        position = min(self._start + self._done * s.global_batch, s._end(self._start))
+        return {"seed": s.seed, "epoch": s.epoch, "position": position}
+
+    def __next__(self) -> tuple[dict[str, int], list[int]]:
+        s = self.sampler
+        while True:
+            if self._epoch_iter is None:
+                self._start, self._done = s._start, 0
+                self._epoch_iter = iter(s)
+            state = self.state_dict()
+            batch = list(itertools.islice(self._epoch_iter, s.batch_size))
+            if len(batch) == s.batch_size:
+                self._done += 1
+                return state, batch
+            if self._start == 0 and self._done == 0:  # a whole epoch without one batch
+                raise ValueError(
+                    f"rank {s.rank}: an epoch of {s.dataset_len} samples has no full global "
+                    f"batch of {s.global_batch} with tail='drop': use tail='pad' or a smaller "
+                    "batch"
+                )
+            # The epoch is over (positions come in whole batches): the next one from its start.
+            s.set_epoch(s.epoch + 1)
+            self._epoch_iter = None

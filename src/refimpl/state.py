@@ -8,6 +8,11 @@ unpickler refuses, so its key array is stored as a tensor) and `restore_state` p
 back. `unwrap_state_dict` removes the ``module.`` prefix DDP adds (and ``_orig_mod.`` from
 ``torch.compile``), so the state loads into a bare model on any number of ranks.
 `export_safetensors` writes the inference weights: half precision, no optimizer, no pickle.
+
+Your own keys (the best validation loss, the model's configuration) travel in the same dict:
+``capture_state(..., extra={"best_val_loss": 1.2})`` adds them next to `STATE_KEYS`, and
+`restore_state` hands them back under ``"extra"``. A trainer with several ranks captures and
+restores through `refimpl.trainstate`, which gathers every rank's RNG into one state.
 """
 
 from __future__ import annotations
@@ -21,7 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from refimpl._manifest import KEY_RE  # the file names save_checkpoint accepts
+
 __all__ = [
+    "STATE_KEYS",
     "capture_rng",
     "capture_state",
     "export_safetensors",
@@ -31,6 +39,9 @@ __all__ = [
 ]
 
 _PREFIXES = ("module.", "_orig_mod.")
+STATE_KEYS = ("model", "optimizer", "scheduler", "scaler", "sampler", "rng", "epoch", "step",
+              "world_size")  # fmt: skip
+"""The keys `capture_state` always writes. Any other key of a captured state is the user's."""
 
 
 def unwrap_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -92,6 +103,22 @@ def restore_rng(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _user_keys(extra: Mapping[str, Any]) -> dict[str, Any]:
+    """``extra`` as a dict, after checking that no key would clash or fail to save."""
+    for key in extra:
+        if not isinstance(key, str) or not KEY_RE.fullmatch(key):
+            raise ValueError(
+                f"extra key {key!r}: use a str of letters, digits, '_', '.' and '-' (not "
+                "starting with '.' or '-'): save_checkpoint writes each key as a file KEY.pt"
+            )
+        if key in STATE_KEYS:
+            raise ValueError(
+                f"extra key {key!r} is one capture_state writes itself ({', '.join(STATE_KEYS)}):"
+                " pick another name"
+            )
+    return dict(extra)
+
+
 def capture_state(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -103,17 +130,32 @@ def capture_state(
     epoch: int = 0,
     step: int = 0,
     world_size: int = 1,
+    extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Everything an exact resume needs, as one weights-only-loadable dict.
 
-    ``rng`` is what `capture_rng` returned, or a list of them (one per rank, gathered by the
-    trainer), or None for this process's. Example::
+    The dict has the keys of `STATE_KEYS`: the weights (``module.`` removed), the optimizer's,
+    scheduler's and scaler's state dicts (None when not given), the sampler state, the RNG
+    states, ``epoch``, ``step`` and ``world_size``. ``rng`` is what `capture_rng` returned, or
+    a list of them, one per rank in rank order (`refimpl.trainstate.capture_every_rank`
+    gathers it), or None for this process's.
+
+    ``extra`` adds your own keys (a best loss, the model's arguments, the run's config) to the
+    same dict; `restore_state` returns them under ``"extra"``. A key may not be one of
+    `STATE_KEYS` and must be a file-name-safe str (``save_checkpoint`` writes every top-level
+    key as its own file), and each value must be something ``torch.load(weights_only=True)``
+    rebuilds: tensors, numbers, str, and lists, tuples and dicts of them (``save_checkpoint``
+    checks this before writing). Setting a key on the returned dict works the same way, with
+    no check. The weights and optimizer state are the live tensors, not copies: save the dict
+    before the next ``optimizer.step()``. Example::
 
         state = capture_state(ddp_model, opt, scheduler=sched, scaler=scaler,
                               sampler_state=sampler.state_dict(batches_done=k),
-                              epoch=0, step=k, world_size=2)
+                              epoch=0, step=k, world_size=2,
+                              extra={"best_val_loss": 1.25, "config": {"lr": 3e-4}})
         save_checkpoint(ckpt_dir, state, step=k)
     """
+    user = _user_keys(extra) if extra is not None else {}
     return {
         "model": unwrap_state_dict(model),
         "optimizer": optimizer.state_dict(),
@@ -124,6 +166,7 @@ def capture_state(
         "epoch": int(epoch),
         "step": int(step),
         "world_size": int(world_size),
+        **user,
     }
 
 
@@ -137,16 +180,24 @@ def restore_state(
     rank: int = 0,
     world_size: int | None = None,
 ) -> dict[str, Any]:
-    """Load ``state`` into the given objects; return ``{"epoch", "step", "world_size",
-    "sampler"}``.
+    """Load ``state`` into the given objects; return what the caller puts back itself.
 
-    The model may be DDP-wrapped or bare (the saved keys are unwrapped). RNG: a list of
-    per-rank states is restored on the same world size only (rank ``rank`` takes its own);
-    a single state is restored as is. Load the file on every rank with
+    The returned dict has ``"epoch"``, ``"step"``, ``"world_size"`` (the saved one),
+    ``"sampler"`` (the sampler state, for ``sampler.load_state_dict``), ``"extra"`` (every key
+    of ``state`` that is not one of `STATE_KEYS`: what ``capture_state(extra=...)`` added) and
+    ``"rng_restored"``. The model may be DDP-wrapped or bare (the saved keys are unwrapped).
+
+    RNG: a list of per-rank states (one per saved rank) is restored only at the world size
+    it was saved at, rank ``rank`` taking its own; at another world size (or with ``rank``
+    outside the list) no RNG is restored and every rank keeps the stream it seeded itself,
+    since no rule maps N ranks' streams onto M ranks' draws. A single state is restored as
+    is. ``world_size=None`` skips the world-size check. Load the file on every rank with
     ``safe_load(path, map_location=rank_device())``. Example::
 
-        info = restore_state(safe_load(path), ddp_model, opt, scheduler=sched, rank=rank)
+        info = restore_state(safe_load(path), ddp_model, opt, scheduler=sched, rank=rank,
+                             world_size=2)
         sampler.load_state_dict(info["sampler"])
+        best_val_loss = info["extra"].get("best_val_loss", float("inf"))
     """
     getattr(model, "module", model).load_state_dict(state["model"])
     if optimizer is not None:
@@ -155,17 +206,21 @@ def restore_state(
         scheduler.load_state_dict(state["scheduler"])
     if scaler is not None and state.get("scaler") is not None:
         scaler.load_state_dict(state["scaler"])
-    rng = state.get("rng")
+    rng, restored = state.get("rng"), False
     if isinstance(rng, list):
-        if world_size in (None, len(rng)) and rank < len(rng):
+        if world_size in (None, len(rng)) and 0 <= rank < len(rng):
             restore_rng(rng[rank])
+            restored = True
     elif rng is not None:
         restore_rng(rng)
+        restored = True
     return {
         "epoch": int(state["epoch"]),
         "step": int(state["step"]),
         "world_size": int(state["world_size"]),
         "sampler": state.get("sampler"),
+        "extra": {k: v for k, v in state.items() if k not in STATE_KEYS},
+        "rng_restored": restored,
     }
 
 

@@ -34,12 +34,11 @@ scopes the group's keys to the attempt, so this trainer needs no setting; a trai
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import signal
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -53,7 +52,7 @@ from refimpl import _train_files, _train_watchdog
 from refimpl._argtypes import float_range, int_range, nonempty
 from refimpl._train_resume import refuse_fresh_start
 from refimpl.atomic import atomic_save, atomic_write_bytes
-from refimpl.data import ResumableSampler
+from refimpl.data import ResumableBatches, ResumableSampler
 from refimpl.launch import init_from_env
 from refimpl.sync import barrier_safe
 
@@ -133,15 +132,6 @@ def make_data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed + 12345)
     x = torch.randn(n, 16, generator=g)
     return x, torch.sin(x[:, :4].sum(1, keepdim=True)) + 0.1 * torch.randn(n, 1, generator=g)
-
-
-def _batches(sampler: ResumableSampler) -> Iterator[list[int]]:
-    """This rank's batches, forever: epoch after epoch, starting where the sampler stands."""
-    while True:
-        it = iter(sampler)
-        while len(batch := list(itertools.islice(it, sampler.batch_size))) == sampler.batch_size:
-            yield batch
-        sampler.set_epoch(sampler.epoch + 1)
 
 
 class _Log:
@@ -260,7 +250,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device
     watchdog = _train_watchdog.Watchdog(args.step_timeout)
     if log.bar is not None:
         log.bar.update(step)
-    batches = _batches(sampler)
+    batches = ResumableBatches(sampler)  # epoch after epoch, from where the sampler stands
     stats = torch.zeros(2, device=device)
     with _StopOnSigterm() as sigterm:
         while step < args.steps:
@@ -268,7 +258,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device
                 _inject_fault(args.ckpt_dir, step + 1, log)
             if args.sharded:
                 _backend(args).seed_step(args.seed, rank, step + 1)
-            batch = next(batches)
+            _, batch = next(batches)
             if args.sample_log:  # step, epoch, indices: for checking that none is lost or repeated
                 with open(f"{args.sample_log}.rank{rank}", "a") as f:
                     f.write(f"{step + 1} {sampler.epoch} {' '.join(map(str, batch))}\n")
@@ -292,7 +282,9 @@ def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device
                 with watchdog.guard("save"):
                     if args.hang_in_save_at_step == step and rank == 0:
                         _train_watchdog.hang_once(args.ckpt_dir, step, log)
-                    _backend(args).save(args, ddp, opt, sampler, step, log)
+                    # Saved after the step, nothing fetched ahead: the position after
+                    # every batch handed out so far is where a resume starts.
+                    _backend(args).save(args, ddp, opt, batches.state_dict(), step, log)
             if stop:
                 log(f"SIGTERM: stopped after step {step}, checkpoint saved; exit 0")
                 return 0

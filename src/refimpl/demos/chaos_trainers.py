@@ -20,11 +20,10 @@ Rank 0 prints ``step N loss X`` after each step, ``saving step N`` as a checkpoi
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -33,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from refimpl.atomic import atomic_save
 from refimpl.checkpoint import load_latest, save_checkpoint
-from refimpl.data import ResumableSampler
+from refimpl.data import ResumableBatches, ResumableSampler
 from refimpl.launch import init_from_env
 from refimpl.state import capture_rng, capture_state, restore_state, unwrap_state_dict
 
@@ -41,15 +40,6 @@ __all__ = ["VARIANTS", "main"]
 
 VARIANTS = ("ok", "no-rng", "no-sampler")
 """What each trainer restores on a resume (everything; all but the RNG; all but the sampler)."""
-
-
-def _batches(sampler: ResumableSampler) -> Iterator[list[int]]:
-    """This rank's batches, epoch after epoch, from where the sampler stands."""
-    while True:
-        it = iter(sampler)
-        while len(batch := list(itertools.islice(it, sampler.batch_size))) == sampler.batch_size:
-            yield batch
-        sampler.set_epoch(sampler.epoch + 1)
 
 
 def _resume(args: argparse.Namespace, model: DDP, opt: torch.optim.Optimizer,
@@ -92,9 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sampler = ResumableSampler(len(x), batch_size=4, rank=rank, world_size=world, seed=args.seed)
     torch.manual_seed(args.seed + 100 * (rank + 1))  # this rank's own dropout stream
     step = _resume(args, model, opt, sampler, rank)
-    batches = _batches(sampler)
+    batches = ResumableBatches(sampler)
     while step < args.steps:
-        idx = torch.tensor(next(batches))
+        idx = torch.tensor(next(batches)[1])
         loss = torch.nn.functional.mse_loss(model(x[idx]), y[idx])
         opt.zero_grad()
         loss.backward()  # type: ignore[no-untyped-call]
@@ -107,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             dist.all_gather_object(rngs, capture_rng())  # every rank's stream, not rank 0's
             if rank == 0:
                 print(f"saving step {step}", flush=True)
-                state = capture_state(model, opt, sampler_state=sampler.state_dict(), rng=rngs,
+                state = capture_state(model, opt, sampler_state=batches.state_dict(), rng=rngs,
                                       step=step, world_size=world)  # fmt: skip
                 save_checkpoint(os.path.join(args.out, "ckpt"), state, step)
             dist.barrier()  # nobody runs ahead of a save that may yet fail

@@ -1,0 +1,148 @@
+"""refimpl.demos.porting: chapter 11's two nanoGPT-style scripts. Run alone and stopped after
+a save, the original resumes onto other batches and ends elsewhere while the port ends bit
+for bit where an uninterrupted run does; the RNG table, the torn save, the draw logs and the
+diff the chapter prints say what they claim."""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from refimpl.demos import porting
+from refimpl.demos.porting import (
+    SCRIPTS,
+    chaos_scripts,
+    differing_tensors,
+    draws_after_resume,
+    prepare_data,
+    rng_capture_points,
+    script_command,
+    script_diff,
+    torn_save,
+)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """One intra-op thread, as torchrun gives each worker: a model this small runs 10x faster
+    than with threads that wait for each other on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("porting") / "data"
+    sizes = prepare_data(d)
+    assert sizes["train"] + sizes["val"] == len(porting.TEXT) and sizes["vocab_size"] < 64
+    return d
+
+
+def _run(name: str, out: Path, data: Path, max_iters: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The script in this process, as ``python SCRIPT --key=value ...`` (a world of one)."""
+    argv = [str(SCRIPTS[name]), f"--out_dir={out}", f"--data_dir={data}",
+            f"--max_iters={max_iters}", f"--draws_log={out}/draws"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.delenv("RANK", raising=False)
+    runpy.run_path(str(SCRIPTS[name]), run_name="__main__")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["original", "port"])
+def test_a_run_stopped_after_a_save_and_started_again(
+    name: str, data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ref, stopped = tmp_path / "ref", tmp_path / "stopped"
+    _run(name, ref, data, 8, monkeypatch)
+    _run(name, stopped, data, 4, monkeypatch)  # saves at 4, trains iteration 4, ends
+    _run(name, stopped, data, 8, monkeypatch)  # a new start: resumes from the save at 4
+    (draws,) = draws_after_resume(stopped, ref, nproc=1)
+    differ, tensors = differing_tensors(stopped, ref)
+    assert draws.resumed_at == 4 and draws.trained == 5
+    if name == "port":
+        assert (draws.differ, differ) == (0, 0)  # the same batches, the same weights
+    else:  # the seed's stream from its start: iterations 4.. train the batches of 0..
+        assert (draws.differ, draws.replayed, draws.lag) == (5, 5, 4)
+        assert differ == tensors == 16
+
+
+@pytest.mark.timeout(60)
+def test_rng_capture_points_separates_whose_rng_from_where_it_is_captured() -> None:
+    rows = {r["variant"]: (r["rank0"], r["rank1"], r["iterations"]) for r in rng_capture_points()}
+    assert rows == {
+        "nothing": (0, 0, 6),
+        "rank0": (6, 0, 6),  # rank 1's stream was never saved
+        "after-eval": (0, 6, 6),  # rank 0's eval runs again on resume, from a moved stream
+        "before-eval": (6, 6, 6),  # capture_every_rank where the port calls it
+    }
+
+
+@pytest.mark.timeout(120)
+def test_a_save_killed_mid_write_loses_the_only_ckpt_but_not_a_step(
+    data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in SCRIPTS:
+        _run(name, tmp_path / name, data, 4, monkeypatch)
+    original = torn_save("original", tmp_path / "original" / "ckpt.pt", 20_000)
+    assert original["child"] == "killed by signal 25"  # SIGXFSZ: the kernel's kill
+    assert original["bytes"] == 20_000 and original["load"] != "loads"
+    port = torn_save("port", tmp_path / "port" / "ckpt", 20_000)
+    assert port["child"] == "killed by signal 25"
+    assert port["steps"] == ["step_00000004"] and port["load"] == "step 4"
+
+
+def test_draw_logs_are_read_from_the_last_start_and_torn_lines_skipped(tmp_path: Path) -> None:
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    ref.mkdir(), run.mkdir()
+    (ref / "draws.rank0").write_text("".join(f"{i} {i:08x}\n" for i in range(6)))
+    # started, killed after 4 (a torn last line), resumed at 2 and replaying from the start
+    lines = ["0 00000000", "1 00000001", "2 00000002", "3 00000003", "4 0000",
+             "2 00000000", "3 00000001", "4 00000004", "5 00000003"]  # fmt: skip
+    (run / "draws.rank0").write_text("\n".join(lines) + "\n")
+    (d,) = draws_after_resume(run, ref, nproc=1)
+    # 2, 3 and 5 differ, each the reference's batch of 2 iterations before; 4 happens to match
+    assert (d.resumed_at, d.trained, d.differ, d.replayed, d.lag) == (2, 4, 3, 3, 2)
+    a = {"w": torch.zeros(3), "b": torch.ones(2), "step": 3}
+    torch.save(a, ref / "final.pt")
+    torch.save({**a, "b": torch.tensor([1.0, 2.0])}, run / "final.pt")
+    assert differing_tensors(run, ref) == (1, 2)
+
+
+def test_the_diff_is_the_port_and_its_size_adds_up() -> None:
+    hunks, added, removed = script_diff()
+    body = "\n".join(hunks).splitlines()
+    assert added == sum(ln.startswith("+") for ln in body) > 0
+    assert removed == sum(ln.startswith("-") for ln in body) > 0
+    for name in ("capture_every_rank(", "resume_every_rank(", "ResumableBatches(",
+                 "save_checkpoint(", "init_from_env("):  # fmt: skip
+        assert any(ln.startswith("+") and name in ln for ln in body), name
+    assert "-                torch.save(checkpoint, ckpt_path)" in body
+    assert added + removed < 100  # a port, not a rewrite
+
+
+@pytest.mark.timeout(10)
+def test_script_command_is_what_chaos_runs(tmp_path: Path) -> None:
+    cmd = script_command("port", tmp_path)
+    assert "--max-restarts=2" in cmd and "--nproc-per-node=2" in cmd
+    assert str(SCRIPTS["port"]) in cmd and "--out_dir={out}" in cmd
+    assert f"--data_dir={tmp_path}" in cmd and "--draws_log={out}/draws" in cmd
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_kill_test_fails_the_original_and_passes_the_port(data: Path, tmp_path: Path) -> None:
+    rows = chaos_scripts(data, tmp_path, scenarios=["kill-rank1"], timeout_s=150)
+    (orig,), (port,) = rows["original"], rows["port"]
+    assert not orig.equal and orig.difference and orig.difference.startswith("model.")
+    assert port.equal, port.difference
+    assert orig.restarts >= 1 and port.restarts >= 1 and port.resume and orig.resume
+    port_runs = tmp_path / "port"
+    draws = draws_after_resume(port_runs / "kill-rank1", port_runs / "reference")
+    assert [d.differ for d in draws] == [0, 0] and all(d.trained > 0 for d in draws)
