@@ -1,4 +1,4 @@
-"""Spawned workers of tests/test_sharded_hostile.py (spawn imports them by module name)."""
+"""Spawned workers of tests/test_sharded*.py (spawn imports them by module name)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 
 import refimpl.sharded
+from refimpl.data import ResumableSampler
 from refimpl.demos.sharded import full_state, max_abs_diff, shard, tiny_model, train
-from refimpl.sharded import load_sharded, save_sharded
+from refimpl.sharded import AsyncSaver, PerRank, load_sharded, save_sharded
 
 
 def shard_changed_after_rank0_checked(ckpt_dir: str) -> tuple[int | None, float, list[str]]:
@@ -51,3 +52,84 @@ def shard_changed_after_rank0_checked(ckpt_dir: str) -> tuple[int | None, float,
     loaded = full_state(target, target_opt)
     diff = max_abs_diff(loaded, step1) if dist.get_rank() == 0 else 0.0
     return step, diff, skipped
+
+
+class RngState:
+    """This process's CPU RNG stream as a Stateful object (a PerRank entry of ``state=``)."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"cpu": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        torch.set_rng_state(state["cpu"])
+
+
+def training_state(model: torch.nn.Module, rank: int, world: int) -> dict[str, Any]:
+    """A scheduler, a sampler, a per-rank RNG, a step counter and metadata, as a trainer has."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    sampler = ResumableSampler(64, batch_size=4, rank=rank, world_size=world, seed=3)
+    return {
+        "opt": opt,
+        "state": {
+            "sched": sched,
+            "sampler": sampler,
+            "rng": PerRank(RngState()),
+            "step": None,
+            "meta": None,
+        },
+    }
+
+
+def _snapshot(state: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "sched": state["sched"].state_dict(),
+        "sampler": state["sampler"].state_dict(),
+        "rng": torch.get_rng_state().tolist(),
+        "step": state["step"],
+        "meta": state["meta"],
+    }
+
+
+def state_round_trip(ckpt_dir: str) -> dict[str, Any]:
+    """At 2 ranks: a sync save (step 3) to ``ckpt_dir/sync`` and an async one (step 5) to
+    ``ckpt_dir/async`` with everything changed right after the call; then both loaded into
+    fresh objects at the same world size. Returns what was saved and what came back."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = shard(tiny_model(0))
+    run = training_state(model, rank, world)
+    opt, state = run["opt"], run["state"]
+    torch.manual_seed(100 + rank)  # a per-rank stream, as dropout would have
+    saved = {}
+    for step, kind in ((3, "sync"), (5, "async")):
+        train(model, opt, range(step - 1, step))
+        state["sched"].step()
+        state["sampler"].load_state_dict({"seed": 3, "epoch": 1, "position": 8 * step})
+        state["step"], state["meta"] = step, {"run": "r1", "lrs": [0.1, 0.2]}
+        torch.rand(3)
+        saved[kind] = _snapshot(state)
+        if kind == "sync":
+            save_sharded(Path(ckpt_dir) / kind, model, opt, step, state=state)
+        else:
+            saver = AsyncSaver()
+            handle = saver.save(Path(ckpt_dir) / kind, model, opt, step, state=state)
+            state["sched"].step()  # after the call: not in the checkpoint
+            state["step"] = 99
+            torch.rand(5)
+            saved["async_path"] = str(handle.result(timeout=60))
+            saver.close()
+    try:
+        save_sharded(Path(ckpt_dir) / "never", model, opt, 1, state={"seen": rank})
+        differ = "saved"
+    except ValueError as exc:  # on every rank, before anything is written
+        differ = str(exc)
+    loaded: dict[str, Any] = {"differ": differ, "never": (Path(ckpt_dir) / "never").exists()}
+    for kind in ("sync", "async"):
+        torch.manual_seed(7)  # another stream: the load must bring the saved one back
+        target = shard(tiny_model(9))
+        fresh_run = training_state(target, rank, world)
+        fresh_state = fresh_run["state"]
+        step = load_sharded(Path(ckpt_dir) / kind, target, fresh_run["opt"], state=fresh_state)
+        loaded[kind] = {**_snapshot(fresh_state), "loaded_step": step,
+                        "restored": fresh_state["rng"].restored}  # fmt: skip
+    return {"saved": saved, "loaded": loaded}

@@ -3,14 +3,18 @@ load at another world size, fail as Exceptions, and save in the background."""
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
+import re
 import warnings
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 import torch
 from _sharded_models import fresh, trained
+from _sharded_workers import RngState, state_round_trip, training_state
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -26,10 +30,13 @@ from refimpl.demos.sharded import (
     tiny_model,
     train,
 )
+from refimpl.launch import spawn
 from refimpl.sharded import (
     AsyncSaver,
+    PerRank,
     ShardedCheckpointError,
     consolidate,
+    inspect_sharded,
     load_sharded,
     save_sharded,
     verify_sharded,
@@ -138,7 +145,8 @@ def test_load_falls_back_past_damaged_steps_and_says_why(tmp_path: Path) -> None
     with pytest.raises(ShardedCheckpointError, match="xxh3_128"):
         load_sharded(tmp_path / "step_00000004", target, target_opt)
     assert load_sharded(tmp_path / "step_00000001", target) == 1  # model only
-    assert load_sharded(tmp_path / "nothing_here", target) is None
+    with pytest.raises(ShardedCheckpointError, match="does not exist"):
+        load_sharded(tmp_path / "nothing_here", target)
     wrong = torch.nn.Sequential(torch.nn.Linear(12, 21))  # not the model that was saved
     with pytest.raises(ShardedCheckpointError, match="built as they were") as info:
         load_sharded(tmp_path, wrong)
@@ -212,17 +220,103 @@ def test_resharding_4_to_2_and_3_equals_the_unsharded_reference(tmp_path: Path) 
     assert max_abs_diff(plain["model"], reference["model"]) == 0.0
 
 
-def test_extra_tensors_round_trip_and_must_be_plain(tmp_path: Path) -> None:
-    model, opt = trained()
-    position = torch.tensor([7, 1, 40])
-    save_sharded(tmp_path, model, opt, 7, extra={"trainer": position})
-    back = {"trainer": torch.zeros(3, dtype=torch.int64)}
-    assert load_sharded(tmp_path, *trained(seed=1), extra=back) == 7
-    assert torch.equal(back["trainer"], position)  # filled in place
-    with pytest.raises(ShardedCheckpointError, match="Missing key"):
-        load_sharded(tmp_path / "step_00000007", *trained(seed=1), extra={"x": torch.zeros(1)})
-    with pytest.raises(TypeError, match=r"plain torch\.Tensor"):
-        save_sharded(
-            tmp_path, model, opt, 8, extra={"trainer": torch.nn.Parameter(position.float())}
+@pytest.mark.timeout(120)
+def test_state_round_trips_sync_and_async_at_the_same_and_another_world_size(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Scheduler, sampler, per-rank RNG, a step counter and metadata: saved at 2 ranks by
+    save_sharded and by AsyncSaver (whose copy is taken at the call), loaded at 2 ranks
+    (everything back, each rank its own RNG) and at 1 (per-rank RNG left alone, said so)."""
+    results = spawn(state_round_trip, 2, str(tmp_path), timeout_s=100, pg_timeout_s=30)
+    rngs = []
+    for r in results:
+        for kind, step in (("sync", 3), ("async", 5)):
+            saved, loaded = r["saved"][kind], r["loaded"][kind]
+            assert loaded.pop("loaded_step") == step and loaded.pop("restored") is True
+            assert loaded == saved  # sched, sampler, this rank's RNG, step, meta
+        assert r["saved"]["async"]["step"] == 5 and r["saved"]["async_path"].endswith(
+            "step_00000005"
         )
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("step_")] == ["step_00000007"]
+        assert "state entries ['seen'] differ between ranks" in r["loaded"]["differ"]
+        assert "PerRank" in r["loaded"]["differ"] and r["loaded"]["never"] is False
+        rngs.append(r["saved"]["sync"]["rng"])
+    assert rngs[0] != rngs[1]  # the RNG really was per rank
+
+    info = inspect_sharded(tmp_path / "async" / "step_00000005")
+    assert (info["step"], info["world_size"], info["files"]) == (5, 2, 3)
+    assert info["state"] == ["meta", "sampler", "sched", "step"]
+    assert info["per_rank_state"] == ["rng"]
+    assert {"state_rank0.rng", "state_rank1.rng", "state.sched"} <= set(info["keys"])
+    assert info["keys"]["model.0.weight"] == {"shape": [20, 12], "dtype": "float32", "chunks": 2}
+
+    # At 1 rank (no process group): shared entries restored, the per-rank RNG left alone.
+    saved = results[0]["saved"]["sync"]
+    model = tiny_model(9)
+    run = training_state(model, 0, 1)
+    torch.manual_seed(1234)
+    before = torch.get_rng_state().tolist()
+    with caplog.at_level(logging.WARNING, logger="refimpl.sharded"):
+        assert load_sharded(tmp_path / "sync", model, run["opt"], state=run["state"]) == 3
+    state = run["state"]
+    assert state["rng"].restored is False and torch.get_rng_state().tolist() == before
+    assert "saved at 2 ranks and is loaded at 1: per-rank state ['rng'] not restored" in caplog.text
+    assert state["sched"].state_dict() == saved["sched"]
+    assert state["sampler"].state_dict() == saved["sampler"]  # the global position
+    assert (state["step"], state["meta"]) == (3, {"run": "r1", "lrs": [0.1, 0.2]})
+
+
+@pytest.mark.timeout(60)
+def test_state_entries_are_checked_on_save_and_on_load(tmp_path: Path) -> None:
+    model, opt = trained()
+    with pytest.raises(
+        TypeError, match=r"state\['cfg'\] cannot be saved so that it loads weights-only"
+    ):
+        save_sharded(tmp_path, model, opt, 1, state={"cfg": Path("x")})
+    assert not tmp_path.joinpath("step_00000001").exists()  # refused before the disk
+    save_sharded(tmp_path, model, opt, 2, state={"step": 2, "rng": PerRank(RngState())})
+    target, target_opt = fresh()
+    with pytest.raises(ShardedCheckpointError, match=r"no entry 'epoch' \(the step has shared"):
+        load_sharded(tmp_path, target, target_opt, state={"epoch": 0})
+    with pytest.raises(ShardedCheckpointError, match="saved as the other kind"):
+        load_sharded(tmp_path, target, target_opt, state={"step": PerRank(0)})
+    with pytest.raises(TypeError, match="must be a dict"):
+        load_sharded(tmp_path, target, target_opt, state=MappingProxyType({"step": 0}))
+    subset = {"step": None}  # a subset of what was saved: the rest is left alone
+    assert load_sharded(tmp_path, target, target_opt, state=subset) == 2 and subset["step"] == 2
+    plain = PerRank(None)  # a plain per-rank value comes back into the wrapper
+    save_sharded(tmp_path, model, opt, 3, state={"mine": PerRank([1, 2])})
+    assert load_sharded(tmp_path, target, state={"mine": plain}) == 3
+    assert (plain.obj, plain.restored) == ([1, 2], True)
+
+
+@pytest.mark.timeout(60)
+def test_a_wrong_path_is_an_error_and_an_empty_root_a_fresh_start(tmp_path: Path) -> None:
+    model, opt = trained()
+    root = tmp_path / "ckpt"
+    cases = {
+        tmp_path / "missing": "does not exist. Pass the checkpoint directory",
+        save_checkpoint(tmp_path / "files", {"w": 1}, 4).parent: (
+            "holds refimpl.checkpoint file steps (1), not sharded ones: load them with "
+            "refimpl.checkpoint.load_latest"
+        ),
+    }
+    save_sharded(root, model, opt, 1)
+    cases[tmp_path] = f"holds no step_N directories, but {root} does: pass that one"
+    cases[root / "step_00000001" / MANIFEST] = "is a file, not a directory"
+    for path, message in cases.items():
+        with pytest.raises(ShardedCheckpointError, match=re.escape(message)) as info:
+            load_sharded(path, *fresh())
+        assert info.value.path == path
+    # One step directory is that step, loaded or refused; never another one.
+    assert load_sharded(root / "step_00000001", *fresh()) == 1
+    # An existing root with no step yet (only strays and temporaries) is a fresh start.
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "notes.txt").write_text("run 2")
+    (tmp_path / "new" / ".step_00000001.tmp-x").mkdir()
+    assert load_sharded(tmp_path / "new", *fresh()) is None
+    # Committed steps none of which loads: an error with every reason, never a fresh start.
+    (root / "step_00000001" / "__0_0.distcp").write_bytes(b"damaged")
+    skipped: list[str] = []
+    with pytest.raises(ShardedCheckpointError, match="no committed step can be loaded"):
+        load_sharded(root, *fresh(), on_skip=lambda d, why: skipped.append(f"{d.name}: {why}"))
+    assert len(skipped) == 1 and "step_00000001: " in skipped[0] and "size" in skipped[0]

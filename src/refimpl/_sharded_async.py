@@ -19,6 +19,7 @@ import atexit
 import concurrent.futures
 import os
 import sys
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -34,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from refimpl._sharded_errors import dcp_errors
 from refimpl._sharded_group import Group, commit_step, discard, prepare_step
+from refimpl._sharded_state import pack_checked
 
 
 class _ReusingStager(DefaultStager):
@@ -193,18 +195,33 @@ class AsyncSaver:
         step: int,
         *,
         keep_last: int | None = 3,
+        process_group: dist.ProcessGroup | None = None,
+        state: Mapping[str, Any] | None = None,
     ) -> AsyncSaveHandle:
-        """Wait for the previous save, stage, start writing; see `async_save_sharded`."""
+        """Wait for the previous save, stage, start writing; see `async_save_sharded`.
+
+        Takes what `refimpl.sharded.save_sharded` takes. ``process_group``, if given, must
+        span the ranks this saver was created for (its own gloo group does the work).
+        ``state`` is serialised during the call, so later changes are not saved. The handle's
+        ``path`` is the step directory the commit will publish."""
         if self._closed:
             raise RuntimeError("this AsyncSaver is closed; create a new one")
+        if process_group is not None and dist.get_process_group_ranks(
+            process_group
+        ) != dist.get_process_group_ranks(self._pg):
+            raise ValueError(
+                "process_group spans other ranks than this AsyncSaver's; create an "
+                "AsyncSaver(process_group=...) for that group"
+            )
         self.wait()
         group = Group(self._pg)
+        packed = pack_checked(group, state)  # refused on every rank before touching the disk
         tmp, final = prepare_step(group, Path(ckpt_dir), step)
         what = f"async save of step {step}"
         with dcp_errors(final, what, group.rank, on_error=lambda: discard(group, tmp)):
             msd, osd = get_state_dict(model, optimizer)
             upload = async_save(
-                {"model": msd, "optim": osd},
+                {"model": msd, "optim": osd, **packed},
                 storage_writer=FileSystemWriter(tmp, sync_files=True, overwrite=False),
                 process_group=self._pg,
                 async_stager=self._stager,

@@ -27,7 +27,7 @@ from refimpl.atomic import (
     _fsync,
     atomic_write,
 )
-from refimpl.checkpoint import _STEP_RE, DIGEST, MANIFEST, CheckpointError, list_checkpoints
+from refimpl.checkpoint import _STEP_RE, DIGEST, MANIFEST, CheckpointError
 
 FORMAT = "refimpl.sharded/1"
 """The ``format`` of a sharded step's manifest (refimpl.checkpoint's manifests are ints)."""
@@ -193,39 +193,4 @@ def _verify_step(step_dir: Path) -> dict[str, Any]:
 
 
 Expected = dict[str, tuple[int, str]]
-Choice = tuple[int | None, str | None, list[tuple[str, str]], str | None, bool, Expected]
-"""What rank 0 tells every rank to load: ``(step, step dir, [(skipped dir, why)], fatal
-error, whether ``path`` named one step, the verified manifest's {file: (bytes, digest)})``."""
-
-
-def _expected(manifest: Mapping[str, Any]) -> Expected:
-    return {name: (e["bytes"], e[DIGEST]) for name, e in manifest["files"].items()}
-
-
-def choose_step(path: Path, below: int | None = None) -> Choice:
-    """Rank 0: the newest step of ``path`` (older than ``below``) that verifies."""
-    if _STEP_RE.fullmatch(path.name) or (path / MANIFEST).exists():
-        try:
-            manifest = verify_step(path)
-        except CheckpointError as exc:
-            return None, None, [], f"{exc}. Pass the checkpoint directory to fall back", True, {}
-        return int(manifest["step"]), str(path), [], None, True, _expected(manifest)
-    if path.exists() and not path.is_dir():
-        return (
-            None,
-            None,
-            [],
-            f"{path} is not a directory; pass the checkpoint directory",
-            False,
-            {},
-        )
-    skipped: list[tuple[str, str]] = []
-    for step, step_dir in reversed(list_checkpoints(path)):
-        if below is not None and step >= below:
-            continue
-        try:
-            manifest = verify_step(step_dir)  # every error inside is a CheckpointError: a skip
-            return step, str(step_dir), skipped, None, False, _expected(manifest)
-        except CheckpointError as exc:
-            skipped.append((str(step_dir), exc.reason if exc.path == step_dir else str(exc)))
-    return None, None, skipped, None, False, {}
+"""A verified manifest's ``{file: (bytes, digest)}``."""

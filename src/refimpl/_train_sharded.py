@@ -3,8 +3,8 @@
 Every rank holds and writes only its shard of the weights and the optimizer state
 (`refimpl.sharded.save_sharded`, committed when every rank's files are durable), and a start
 at any world size loads and reshards it. What the DDP path keeps in rank 0's file besides the
-weights travels here as DCP's ``extra`` tensors, the same on every rank: the step and the
-sampler's global position, which is all an exact resume at another world size needs.
+weights travels here in ``state=``, in the same commit, the same on every rank: the step and
+the sampler's global position, which is all an exact resume at another world size needs.
 
 Dropout's RNG is not saved: a rank's stream is re-seeded from (seed, rank, step) at every
 step, so a resumed step draws what the uninterrupted run drew at the same world size (at
@@ -24,8 +24,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from refimpl._train_resume import refuse_fresh_start
 from refimpl.data import ResumableSampler
-from refimpl.sharded import load_sharded, save_sharded
+from refimpl.sharded import ShardedCheckpointError, load_sharded, save_sharded
 
 
 def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -45,14 +46,6 @@ def seed_step(seed: int, rank: int, step: int) -> None:
     torch.manual_seed((seed * 1_000_003 + rank) * 1_000_003 + step)
 
 
-def _extra(
-    sampler_state: Mapping[str, int] | None = None, step: int = 0
-) -> dict[str, torch.Tensor]:
-    s: Mapping[str, Any] = sampler_state if sampler_state is not None else {}
-    values = [step, s.get("seed", 0), s.get("epoch", 0), s.get("position", 0)]
-    return {"trainer": torch.tensor(values, dtype=torch.int64)}
-
-
 def save(
     args: argparse.Namespace,
     model: torch.nn.Module,
@@ -62,8 +55,8 @@ def save(
     log: Callable[[str], None],
 ) -> None:
     """Collective: every rank writes its shard; rank 0 commits the step when all are durable."""
-    path = save_sharded(args.ckpt_dir, model, opt, step, keep_last=args.keep_last,
-                        extra=_extra(sampler_state, step))  # fmt: skip
+    state = {"step": step, "sampler": dict(sampler_state)}
+    path = save_sharded(args.ckpt_dir, model, opt, step, keep_last=args.keep_last, state=state)
     if dist.get_rank() == 0:
         log(f"saved {path.name}")
 
@@ -79,18 +72,25 @@ def load(
 ) -> int:
     """Collective: load the newest good step at this world size, less ``--no-restore``;
     return it (0 without one; each step skipped goes to ``on_skip``). Rank 0 picks the step
-    for everyone; DCP reshards."""
-    extra = _extra()
+    for everyone; DCP reshards. When committed steps exist and none loads, 0 too: the caller
+    (`refimpl._train_resume.refuse_fresh_start`) then stops, naming the reason or the flag."""
+    Path(args.ckpt_dir).mkdir(parents=True, exist_ok=True)  # a new run's root: a fresh start
+    state: dict[str, Any] = {"step": None, "sampler": None}
     optimizer = None if "optimizer" in args.no_restore else opt
-    step = load_sharded(args.ckpt_dir, model, optimizer, extra=extra,
-                        on_skip=on_skip)  # fmt: skip
+    try:
+        step = load_sharded(args.ckpt_dir, model, optimizer, state=state, on_skip=on_skip)
+    except ShardedCheckpointError:
+        if refuse_fresh_start(args.ckpt_dir, True, []) is None:
+            raise
+        return 0
     if step is None:
         return 0
-    saved_step, seed, epoch, position = (int(v) for v in extra["trainer"])
-    if saved_step != step:
-        raise RuntimeError(f"{args.ckpt_dir}: step_{step} holds trainer state of step {saved_step}")
+    if state["step"] != step:
+        raise RuntimeError(
+            f"{args.ckpt_dir}: step_{step} holds trainer state of step {state['step']}"
+        )
     if "data" not in args.no_restore:
-        sampler.load_state_dict({"seed": seed, "epoch": epoch, "position": position})
+        sampler.load_state_dict(state["sampler"])
     return step
 
 

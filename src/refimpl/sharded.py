@@ -33,35 +33,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from refimpl._dcp_metadata import UnsafeMetadata, check_metadata
 from refimpl._sharded_async import AsyncSaveHandle, AsyncSaver, default_saver
-from refimpl._sharded_commit import METADATA, Expected, choose_step, verify_step
+from refimpl._sharded_commit import verify_step
 from refimpl._sharded_errors import LOAD_ADVICE, ShardedCheckpointError, dcp_errors
 from refimpl._sharded_group import Group, commit_step, discard, prepare_step, quiet_no_dist
-from refimpl._sharded_read import (
-    VerifyingReader,
-    WeightsOnlyEmptyPlanner,
-    WeightsOnlyLoadPlanner,
-    check_keys,
-)
+from refimpl._sharded_inspect import inspect_sharded
+from refimpl._sharded_load import load_step
+from refimpl._sharded_paths import choose_step
+from refimpl._sharded_read import WeightsOnlyEmptyPlanner
+from refimpl._sharded_state import PerRank, check_mapping, pack_checked
 from refimpl.atomic import atomic_save
 from refimpl.checkpoint import CheckpointError, _as_step
 
 __all__ = [
     "AsyncSaveHandle",
     "AsyncSaver",
+    "PerRank",
     "ShardedCheckpointError",
     "async_save_sharded",
     "consolidate",
+    "inspect_sharded",
     "load_sharded",
     "save_sharded",
     "verify_sharded",
@@ -83,9 +77,9 @@ def save_sharded(
     *,
     keep_last: int | None = 3,
     process_group: dist.ProcessGroup | None = None,
-    extra: Mapping[str, torch.Tensor] | None = None,
+    state: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Save ``model`` and ``optimizer`` as the committed step ``ckpt_dir/step_N``; return it.
+    """Save ``model``, ``optimizer`` and ``state`` as the committed step ``ckpt_dir/step_N``.
 
     Collective: call it on every rank. The state comes from ``get_state_dict(model,
     optimizer)`` (FSDP2 / DTensor shards stay sharded, each rank writes its own) and is
@@ -95,28 +89,33 @@ def save_sharded(
     failure on any rank (a full disk, a rank that died: the others get an error within the
     process group's timeout, not a hang) raises `ShardedCheckpointError` on every rank that
     is still alive, naming the failed ranks; nothing is published and earlier steps are
-    untouched. Re-saving an existing step swaps the new copy in atomically. ``extra`` (plain
-    tensors with the same value on every rank: a trainer's step, sampler position) is saved
-    under the top-level key ``"extra"``; `load_sharded` fills it back in.
+    untouched. Re-saving an existing step swaps the new copy in atomically. Returns the step.
+
+    ``state`` maps names to everything else the run needs: objects with ``state_dict()`` /
+    ``load_state_dict()`` (an LR scheduler, `refimpl.data.ResumableSampler`) and plain values
+    (a step counter, a config dict), serialised now and saved in the same commit, under the
+    same manifest and digests. An entry is shared (equal on every rank: checked, saved once)
+    unless wrapped in `PerRank` (saved by each rank; see `load_sharded` for the rule at
+    another world size). An entry that would not load weights-only is refused (``TypeError``)
+    and a shared one that differs between ranks too (``ValueError``), on every rank, before
+    anything is written.
 
     Example::
 
-        path = save_sharded("ckpt", model, optimizer, step=200)   # -> ckpt/step_00000200
+        state = {"sched": scheduler, "rng": PerRank(rng), "epoch": epoch}
+        path = save_sharded("ckpt", model, optimizer, 200, state=state)  # ckpt/step_00000200
     """
     step = _as_step(step)
     _check_keep_last(keep_last)
-    extra_state = _plain_tensors(extra) if extra else None  # refused before touching the disk
     group = Group(process_group)
+    packed = pack_checked(group, state)  # refused on every rank before touching the disk
     tmp, final = prepare_step(group, Path(ckpt_dir), step)
     what = f"save of step {step}"
     with dcp_errors(final, what, group.rank, on_error=lambda: discard(group, tmp)):
         msd, osd = get_state_dict(model, optimizer)
-        state: dict[str, Any] = {"model": msd, "optim": osd}
-        if extra_state:
-            state["extra"] = extra_state
         with quiet_no_dist(group):
             dcp_save(
-                state,
+                {"model": msd, "optim": osd, **packed},
                 storage_writer=FileSystemWriter(tmp, sync_files=True, overwrite=False),
                 **group.dcp_kwargs(),
             )
@@ -130,6 +129,8 @@ def async_save_sharded(
     step: int,
     *,
     keep_last: int | None = 3,
+    process_group: dist.ProcessGroup | None = None,
+    state: Mapping[str, Any] | None = None,
     saver: AsyncSaver | None = None,
 ) -> AsyncSaveHandle:
     """Start saving like `save_sharded`, but return once the state is copied; commit later.
@@ -139,19 +140,28 @@ def async_save_sharded(
     that are allocated on the first save and reused by every later one, and hands the rest
     to ``dcp.async_save`` on a dedicated gloo process group: writing, then the same commit
     as `save_sharded`, in a background thread, while training goes on. The saved values are
-    those at the time of the call. ``saver`` defaults to one `AsyncSaver` per process
-    (created on the first call, on every rank). Call ``.result()`` on the returned
-    `AsyncSaveHandle` (or `AsyncSaver.wait`) before exiting.
+    those at the time of the call, ``state`` included (serialised during the call).
+    ``saver`` defaults to one `AsyncSaver` per process (created on the first call, on every
+    rank; ``process_group`` must then be None or span the same ranks as the saver's). Call
+    ``.result()`` on the returned `AsyncSaveHandle` (or `AsyncSaver.wait`) before exiting.
 
     Example::
 
-        handle = async_save_sharded("ckpt", model, optimizer, step)
+        handle = async_save_sharded("ckpt", model, optimizer, step, state={"sched": sched})
         ...                          # keep training
-        handle.result()              # -> ckpt/step_N, committed
+        handle.result()              # -> ckpt/step_N, committed (handle.path names it)
     """
     step = _as_step(step)
     _check_keep_last(keep_last)
-    return (saver or default_saver()).save(ckpt_dir, model, optimizer, step, keep_last=keep_last)
+    return (saver or default_saver()).save(
+        ckpt_dir,
+        model,
+        optimizer,
+        step,
+        keep_last=keep_last,
+        process_group=process_group,
+        state=state,
+    )
 
 
 def verify_sharded(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
@@ -169,64 +179,6 @@ def _log_skip(step_dir: Path, reason: str) -> None:
     logger.warning("load_sharded: skipped %s (%s); trying an older step", step_dir.name, reason)
 
 
-def _plain_tensors(extra: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    bad = [k for k, v in extra.items() if type(v) is not torch.Tensor]
-    if bad:
-        raise TypeError(f"extra[{bad[0]!r}] must be a plain torch.Tensor, the same on every rank")
-    return dict(extra)
-
-
-def _load_step(
-    group: Group,
-    step_dir: Path,
-    expected: Expected,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    extra: dict[str, torch.Tensor] | None = None,
-) -> None:
-    """Every rank checks ``.metadata`` (the bytes rank 0 verified) and the model's keys, then
-    DCP loads weights-only through a `VerifyingReader` and the state is set."""
-    sizes = {name: size for name, (size, _d) in expected.items() if name != METADATA}
-    metadata = None
-    try:
-        metadata = check_metadata(step_dir / METADATA, sizes, expect=expected.get(METADATA))
-        mine = None
-    except (UnsafeMetadata, OSError) as exc:
-        mine = f"rank {group.rank}: {exc}"
-    refused = [why for why in group.gather(mine) if why]
-    if refused or metadata is None:
-        err = ShardedCheckpointError(
-            step_dir / METADATA, f"refused before DCP opened it: {'; '.join(refused)}"
-        )
-        err.unsafe = True
-        raise err
-    what = f"load of {step_dir.name}"
-    with dcp_errors(step_dir, what, group.rank, LOAD_ADVICE):
-        if optimizer is None:
-            state: dict[str, Any] = {"model": get_model_state_dict(model)}
-        else:
-            msd, osd = get_state_dict(model, optimizer)
-            state = {"model": msd, "optim": osd}
-    misfit = check_keys(metadata, state["model"])  # the same on every rank: all raise
-    if misfit is not None:
-        raise ShardedCheckpointError(step_dir, f"{misfit}. {LOAD_ADVICE}", rank=group.rank)
-    if extra is not None:
-        state["extra"] = _plain_tensors(extra)  # DCP copies into these tensors in place
-    with dcp_errors(step_dir, what, group.rank, LOAD_ADVICE), quiet_no_dist(group):
-        dcp_load(
-            state,
-            storage_reader=VerifyingReader(step_dir, expected, metadata),
-            planner=WeightsOnlyLoadPlanner(),
-            **group.dcp_kwargs(),
-        )
-        if optimizer is None:
-            set_model_state_dict(model, state["model"])
-        else:
-            set_state_dict(
-                model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-            )
-
-
 def load_sharded(
     path: str | os.PathLike[str],
     model: torch.nn.Module,
@@ -234,9 +186,9 @@ def load_sharded(
     *,
     process_group: dist.ProcessGroup | None = None,
     on_skip: Callable[[Path, str], None] | None = None,
-    extra: dict[str, torch.Tensor] | None = None,
+    state: Mapping[str, Any] | None = None,
 ) -> int | None:
-    """Load the newest verified step of ``path`` into ``model`` (and ``optimizer``).
+    """Load the newest verified step of ``path`` into ``model``, ``optimizer`` and ``state``.
 
     Collective. ``path`` is a checkpoint directory (steps are tried newest first; each one
     that is incomplete, corrupt or hostile is skipped and reported through ``on_skip(step_dir,
@@ -247,32 +199,44 @@ def load_sharded(
     rank 0's check, or differs on that rank's node, skips the step before anything is
     loaded); ``dcp.load`` loads non-tensor items weights-only (one that is not is refused,
     and the next older step tried); ``set_state_dict`` puts the result in place. The world
-    size may differ from the one that saved: DCP reshards. Returns the step loaded, or None
-    when there is none (a fresh start). A step whose model keys differ from the model's (a
-    layer removed or added), or that does not fit it otherwise, raises
-    `ShardedCheckpointError` naming the keys. ``extra``: tensors shaped like those given to
-    `save_sharded`'s ``extra``, overwritten in place with the saved values.
+    size may differ from the one that saved: DCP reshards.
+
+    Returns the step loaded, or None for an existing checkpoint directory with no step yet
+    (a fresh start). Everything else raises `ShardedCheckpointError` saying what was found
+    and what to pass: a path that does not exist, a file, a folder whose subfolder holds the
+    steps, a folder of `refimpl.checkpoint` file steps, committed steps none of which loads,
+    a step whose model keys differ from the model's (naming them) or that does not fit it.
+
+    ``state``: the mapping given to `save_sharded`, or a subset of it (other saved entries
+    are left alone). Stateful objects get ``load_state_dict(saved)``; plain values are put
+    back into the mapping (``state[name] = saved``). `PerRank` entries are restored on the
+    same rank when the world size equals the saving one (the manifest's ``world_size``); at
+    another world size they are left as they are, their ``restored`` is False and a warning
+    names them. A name the step does not have, or has as the other kind, raises.
 
     Example::
 
-        step = load_sharded("ckpt", model, optimizer)
-        start = 0 if step is None else step + 1
+        state = {"sched": scheduler, "rng": PerRank(rng), "epoch": 0}
+        step = load_sharded("ckpt", model, optimizer, state=state)
+        start = 0 if step is None else step + 1        # state["epoch"] is the saved one
     """
+    if state:
+        check_mapping(state)
     group = Group(process_group)
     report = on_skip or (_log_skip if group.rank == 0 else lambda _d, _w: None)
     below: int | None = None
     while True:
         chosen = choose_step(Path(path), below) if group.rank == 0 else None
-        step, step_dir_s, skipped, fatal, single, expected = group.broadcast(chosen)
+        step, step_dir_s, skipped, fatal, single, expected, world = group.broadcast(chosen)
         for skipped_dir, why in skipped:
             report(Path(skipped_dir), why)
         if fatal is not None:
             raise ShardedCheckpointError(path, fatal)
         if step_dir_s is None:
-            logger.info("load_sharded: no verified step in %s: starting fresh", path)
+            logger.info("load_sharded: no step in %s yet: starting fresh", path)
             return None
         try:
-            _load_step(group, Path(step_dir_s), expected, model, optimizer, extra)
+            load_step(group, Path(step_dir_s), expected, world, model, optimizer, state)
             return int(step)
         except ShardedCheckpointError as err:
             if single or not err.unsafe:

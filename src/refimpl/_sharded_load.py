@@ -1,0 +1,127 @@
+"""Loading one verified step: the part of `refimpl.sharded.load_sharded` after rank 0 chose it.
+
+Every rank checks ``.metadata`` (the bytes rank 0 verified) and the model's keys, DCP loads
+weights-only through a `VerifyingReader`, the ``state=`` entries are decoded (weights-only,
+every rank agreeing before anything is set), and only then is anything put in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from refimpl import _sharded_state
+from refimpl._dcp_metadata import UnsafeMetadata, check_metadata
+from refimpl._sharded_commit import METADATA, Expected
+from refimpl._sharded_errors import LOAD_ADVICE, ShardedCheckpointError, dcp_errors
+from refimpl._sharded_group import Group, quiet_no_dist
+from refimpl._sharded_read import VerifyingReader, WeightsOnlyLoadPlanner, check_keys
+
+logger = logging.getLogger("refimpl.sharded")
+
+
+def _refuse(group: Group, path: Path, mine: str | None, prefix: str, unsafe: bool) -> None:
+    """Raise on every rank if any rank has a reason (one collective)."""
+    refused = [why for why in group.gather(mine) if why]
+    if refused:
+        err = ShardedCheckpointError(path, f"{prefix}: {'; '.join(refused)}", rank=group.rank)
+        err.unsafe = unsafe
+        raise err
+
+
+def load_step(
+    group: Group,
+    step_dir: Path,
+    expected: Expected,
+    saved_world: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    state: Mapping[str, Any] | None = None,
+) -> None:
+    """Load ``step_dir`` into ``model``, ``optimizer`` and ``state``. A step refused before
+    anything was loaded raises `ShardedCheckpointError` with ``unsafe`` set (the caller falls
+    back); a step that does not fit raises one without."""
+    sizes = {name: size for name, (size, _d) in expected.items() if name != METADATA}
+    metadata = None
+    try:
+        metadata = check_metadata(step_dir / METADATA, sizes, expect=expected.get(METADATA))
+        mine = None
+    except (UnsafeMetadata, OSError) as exc:
+        mine = f"rank {group.rank}: {exc}"
+    _refuse(group, step_dir / METADATA, mine, "refused before DCP opened it", unsafe=True)
+    assert metadata is not None  # every rank raised otherwise
+    what = f"load of {step_dir.name}"
+    with dcp_errors(step_dir, what, group.rank, LOAD_ADVICE):
+        if optimizer is None:
+            target: dict[str, Any] = {"model": get_model_state_dict(model)}
+        else:
+            msd, osd = get_state_dict(model, optimizer)
+            target = {"model": msd, "optim": osd}
+    misfit = check_keys(metadata, target["model"])  # the same on every rank: all raise
+    if misfit is not None:
+        raise ShardedCheckpointError(step_dir, f"{misfit}. {LOAD_ADVICE}", rank=group.rank)
+    skipped: list[str] = []
+    if state:
+        same_world = saved_world in (0, group.size)
+        saved = set(metadata.state_dict_metadata)
+        wanted, missing, skipped = _sharded_state.targets(state, group.rank, same_world, saved)
+        shared_names, rank_names, _ranks = _sharded_state.names_in(sorted(saved))
+        mine = (
+            f"rank {group.rank}: no entry {', '.join(missing)} (the step has shared "
+            f"{shared_names} and per-rank {rank_names})"
+            if missing
+            else None
+        )
+        _refuse(
+            group,
+            step_dir,
+            mine,
+            "state= does not fit this step: pass the names (and kinds) it was saved with",
+            unsafe=False,
+        )
+        target.update(wanted)
+    with dcp_errors(step_dir, what, group.rank, LOAD_ADVICE), quiet_no_dist(group):
+        dcp_load(
+            target,
+            storage_reader=VerifyingReader(step_dir, expected, metadata),
+            planner=WeightsOnlyLoadPlanner(),
+            **group.dcp_kwargs(),
+        )
+    values: dict[str, Any] = {}
+    if state:
+        loaded = {k: v for k, v in target.items() if k not in ("model", "optim")}
+        try:
+            values, mine = _sharded_state.decode(loaded), None
+        except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as exc:
+            mine = f"rank {group.rank}: a state entry is not weights-only ({exc})"
+        _refuse(group, step_dir, mine, "refused before anything was set", unsafe=True)
+    with dcp_errors(step_dir, what, group.rank, LOAD_ADVICE):
+        if optimizer is None:
+            set_model_state_dict(model, target["model"])
+        else:
+            set_state_dict(
+                model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"]
+            )
+    if state:
+        _sharded_state.apply(state, values, skipped)
+        if skipped and group.rank == 0:
+            logger.warning(
+                "load_sharded: %s was saved at %d ranks and is loaded at %d: per-rank state %s "
+                "not restored (each object keeps its current state)",
+                step_dir.name,
+                saved_world,
+                group.size,
+                skipped,
+            )
