@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+from refimpl._checkpoint_cli import main as cli_main
 from refimpl._dcp_metadata import UnsafeMetadata, check_metadata
 from refimpl.atomic import COMMIT_MARKER
 from refimpl.checkpoint import MANIFEST, CheckpointError, safe_load, save_checkpoint
@@ -220,6 +221,7 @@ def test_resharding_4_to_2_and_3_equals_the_unsharded_reference(tmp_path: Path) 
     assert max_abs_diff(plain["model"], reference["model"]) == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_state_round_trips_sync_and_async_at_the_same_and_another_world_size(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -287,6 +289,29 @@ def test_state_entries_are_checked_on_save_and_on_load(tmp_path: Path) -> None:
     save_sharded(tmp_path, model, opt, 3, state={"mine": PerRank([1, 2])})
     assert load_sharded(tmp_path, target, state={"mine": plain}) == 3
     assert (plain.obj, plain.restored) == ([1, 2], True)
+
+
+@pytest.mark.timeout(60)
+def test_inspect_cli_reports_a_sharded_step_without_a_process_group(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, opt = trained()
+    step_dir = save_sharded(tmp_path, model, opt, 4, state={"step": 4, "rng": PerRank(RngState())})
+    assert cli_main(["inspect", str(step_dir)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    size = sum(
+        p.stat().st_size for p in step_dir.iterdir() if p.name in verify_sharded(step_dir)["files"]
+    )
+    assert out[0].startswith(f"{step_dir}: step 4, format refimpl.sharded/1, saved by 1 rank(s), ")
+    assert (
+        f"{size / 1024:.1f} KiB in 2 files" in out[0] and inspect_sharded(step_dir)["bytes"] == size
+    )
+    assert out[1] == "  state: step; per rank: rng"
+    assert "  model.0.weight: tensor (20, 12) float32" in out
+    assert "  state_rank0.rng: object (read weights-only on load)" in out
+    (step_dir / "__0_0.distcp").write_bytes(b"x")
+    assert cli_main(["inspect", str(step_dir)]) == 1
+    assert "size 1 bytes" in capsys.readouterr().out
 
 
 @pytest.mark.timeout(60)

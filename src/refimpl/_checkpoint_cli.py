@@ -3,7 +3,9 @@
 - ``list DIR``: every step, its size, and whether it is complete and verifies;
 - ``verify DIR|STEP_DIR``: exit status 0 only if everything checked verifies (a directory of
   steps: every committed step), else 1, naming the bad file and the reason;
-- ``inspect STEP_DIR``: keys, tensor shapes and dtypes, and the versions that wrote it.
+- ``inspect STEP_DIR``: keys, tensor shapes and dtypes, and the versions that wrote it; for a
+  sharded step also the world size that saved it, its size and its ``state=`` names
+  (`refimpl.sharded.inspect_sharded`).
 
 Each step is checked as the kind its manifest says it is: a file checkpoint
 (`refimpl.checkpoint`, integer format) or a sharded one (`refimpl.sharded`, format
@@ -131,49 +133,45 @@ def _describe(value: Any, prefix: str, lines: list[str], limit: int = 40) -> Non
         lines.append(f"{prefix}: {type(value).__name__} {value!r:.60}")
 
 
-def _sharded_lines(step_dir: Path) -> dict[str, list[str]]:
-    """Keys, shapes and dtypes of a verified sharded step, from its ``.metadata`` alone."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+def _sharded_report(step_dir: Path) -> list[str]:
+    """What `refimpl.sharded.inspect_sharded` finds, as lines: header, state names, keys."""
+    from refimpl._sharded_inspect import inspect_sharded
 
-    from refimpl._dcp_metadata import check_metadata
-
-    out: dict[str, list[str]] = {}
-    for fqn, item in check_metadata(step_dir / ".metadata").state_dict_metadata.items():
-        top = fqn.split(".", 1)[0]
-        if isinstance(item, TensorStorageMetadata):
-            dtype = str(item.properties.dtype).split(".")[-1]
-            shards = f", {len(item.chunks)} shards" if len(item.chunks) > 1 else ""
-            text = f"{fqn}: tensor {tuple(item.size)} {dtype}{shards}"
+    info = inspect_sharded(step_dir)
+    lines = [
+        f"{step_dir}: step {info['step']}, format {info['format']}, saved by "
+        f"{info['world_size']} rank(s), {_human(info['bytes'])} in {info['files']} files, "
+        f"torch {info['torch'] or '?'}, refimpl {info['refimpl'] or '?'}",
+        f"  state: {', '.join(info['state']) or '-'}; per rank: "
+        f"{', '.join(info['per_rank_state']) or '-'}",
+    ]
+    for fqn, item in info["keys"].items():
+        if "shape" in item:
+            chunks = f", {item['chunks']} shards" if item["chunks"] > 1 else ""
+            lines.append(f"  {fqn}: tensor {tuple(item['shape'])} {item['dtype']}{chunks}")
         else:
-            text = f"{fqn}: object (read weights-only on load)"
-        out.setdefault(top, []).append(text)
-    return out
+            lines.append(f"  {fqn}: object (read weights-only on load)")
+    return lines
 
 
 def _cmd_inspect(path: Path) -> int:
     try:
         if _is_sharded(path):
-            from refimpl._sharded_commit import verify_step
-
-            manifest = verify_step(path)
-            described = _sharded_lines(path)
+            lines = _sharded_report(path)
         else:
             manifest = verify_checkpoint(path)
-            described = {}
+            lines = [
+                f"{path}: step {manifest.get('step')}, format {manifest.get('format')}, "
+                f"torch {manifest.get('torch', '?')}, refimpl {manifest.get('refimpl', '?')}"
+            ]
             for key, value in load_checkpoint(path).items():
-                lines: list[str] = []
-                _describe(value, key, lines)
-                described[key] = lines
+                described: list[str] = []
+                _describe(value, key, described)
+                lines += [f"  {line}" for line in described]
     except CheckpointError as exc:
         print(f"BAD  {exc.path}: {exc.reason}")
         return 1
-    print(
-        f"{path}: step {manifest.get('step')}, format {manifest.get('format')}, "
-        f"torch {manifest.get('torch', '?')}, refimpl {manifest.get('refimpl', '?')}"
-    )
-    for lines in described.values():
-        for line in lines:
-            print(f"  {line}")
+    print("\n".join(lines))
     return 0
 
 
