@@ -18,7 +18,10 @@ that ``except Exception`` misses, and ``dcp.load`` unpickles ``.metadata`` with 
   what to do next.
 
 The top-level keys are ``"model"`` and ``"optim"`` exactly as ``get_state_dict`` produces
-them, so a plain ``dcp.load`` reads the same directory. Every function is called on every
+them, so a plain ``dcp.load`` reads the same directory; ``state=`` entries (a scheduler, the
+sampler, per-rank RNG: `refimpl._sharded_state`) ride in the same commit as bytes items under
+``"state"`` and ``"state_rank<r>"``. A wrong path is an error, not a fresh start
+(`refimpl._sharded_paths`). Every function is called on every
 rank of the group (or without a process group, as a world of one).
 """
 
