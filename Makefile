@@ -13,7 +13,10 @@ LAB_PORT ?= 8888
 NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=300
 # Test workers (pytest-xdist), one file per work unit: a notebook's cells run in order in one
 # kernel, and a test file runs whole on one worker. TEST_WORKERS=0 runs everything in order.
-TEST_WORKERS ?= 2
+# Four on two cores: much of a multi-process test is waiting (a torchrun restart, a timeout
+# that must expire), and four workers fill those waits. Notebooks are collected first, so the
+# longest units (chapters 10 and 11) start at once instead of last.
+TEST_WORKERS ?= 4
 PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 export PYTHONHASHSEED := 0
 # Notebooks show figures through the inline backend; an inherited MPLBACKEND=Agg hides them.
@@ -47,7 +50,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 test: lint
-	$(PY) -m pytest tests notebooks $(NBVAL) --ignore=tests/browser $(PARALLEL) --durations=15
+	$(PY) -m pytest notebooks tests $(NBVAL) --ignore=tests/browser $(PARALLEL) --durations=15
 
 # The inner loop while changing src/refimpl: everything but the notebooks, the browser and the
 # tests marked slow (whole torchrun jobs, benchmarks); make test runs those too.
