@@ -3,6 +3,7 @@ hangs ended within the timeout, no process left behind, unspawnable functions re
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -501,3 +502,61 @@ def test_fork_server_preloads_dcp_only_where_this_process_uses_it(
     for name in ("torch.distributed.checkpoint", "torch.distributed.fsdp"):
         monkeypatch.delitem(sys.modules, name)  # a chapter that never shards
     assert _forkserver_preload() == ["torch", "torch.distributed", "refimpl._rank_process"]
+
+
+# --- Issue 25 item 2: a torchrun worker whose agent is gone does not train on alone ----------
+
+_WAITS_FOREVER = """
+import time
+from refimpl.launch import init_from_env
+init_from_env(timeout_s=30)
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_whose_agent_is_killed_exits_within_10_s(tmp_path: Path) -> None:
+    """SIGKILL the agent's process group only, as a scheduler that kills "the job" by the
+    launcher's pid would: torchrun starts its workers in sessions of their own, so before
+    refimpl noticed, the worker trained on alone (still alive 10 s later)."""
+    import signal
+
+    from refimpl._chaos_proc import workers
+
+    script = tmp_path / "waits.py"
+    script.write_text(_WAITS_FOREVER)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env["PYTHONPATH"] = str(Path(__file__).parents[1] / "src")
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+         str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    worker = None
+    try:
+        assert agent.stdout is not None and agent.stderr is not None
+        assert agent.stdout.readline().strip() == "ready", agent.stderr.read()
+        (worker,) = workers(agent.pid).values()
+        assert os.getpgid(worker) != agent.pid  # its own session: killpg leaves it alone
+        os.killpg(agent.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while _running(worker) and time.monotonic() - killed < 10:
+            time.sleep(0.1)
+        gone = time.monotonic() - killed
+        assert not _running(worker), f"orphaned worker {worker} still runs {gone:.1f} s on"
+        err = agent.stderr.read()
+        assert f"torchrun's agent (pid {agent.pid}) is gone" in err, err[-2000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent.pid, signal.SIGKILL)
+        if worker is not None and _running(worker):
+            os.kill(worker, signal.SIGKILL)
+        agent.wait()

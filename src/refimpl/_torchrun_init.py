@@ -26,6 +26,8 @@ import datetime
 import logging
 import os
 import socket
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +40,8 @@ __all__ = ["RankInfo", "attempt_store", "init_from_env"]
 
 _TOKEN_KEY = "refimpl/attempt"
 _POLL_S = 0.2  # how long a rank waits for an answer to a token before reading it again
+_AGENT_POLL_S = 1.0  # how often a torchrun worker checks that its agent is still its parent
+_watching: list[threading.Thread] = []  # the one agent watch of this process, once started
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,43 @@ def attempt_store(rank: int, world_size: int, timeout_s: float) -> Store:
     )
 
 
+def watch_agent(poll_s: float = _AGENT_POLL_S) -> threading.Thread | None:
+    """End this torchrun worker within ``poll_s`` seconds of its agent's death.
+
+    torchrun starts each worker in a session of its own, so a scheduler (or a person) that
+    kills the agent's process group leaves the worker running: it trains on alone and keeps
+    writing into a checkpoint directory that the job's next launch will use. The agent is
+    the worker's parent; when it dies the worker is re-parented, so a daemon thread compares
+    ``os.getppid()`` with the pid it started with and, when they differ, says so on stderr
+    and ends the process at once (``os._exit(1)``: no save on the way out, since that would
+    be the very write to keep out of the directory; refimpl's saves are atomic, so one cut
+    short leaves only a temporary that the next save removes). Started once per process;
+    returns the thread, or None when there is no parent to watch.
+    """
+    if _watching:
+        return _watching[0]
+    agent = os.getppid()
+    if agent <= 1:  # already an orphan (or started by init): nothing to watch
+        return None
+    rank = os.environ.get("RANK", "?")
+
+    def watch() -> None:
+        while os.getppid() == agent:
+            time.sleep(poll_s)
+        sys.stderr.write(
+            f"[refimpl] rank {rank}: torchrun's agent (pid {agent}) is gone; exiting so that "
+            "this orphaned worker neither trains on alone nor writes into a checkpoint "
+            "directory the job's next launch will use\n"
+        )
+        sys.stderr.flush()
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="refimpl-agent-watch", daemon=True)
+    thread.start()
+    _watching.append(thread)
+    return thread
+
+
 def _world_of_one() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -142,8 +183,11 @@ def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> RankI
     group's keys are scoped to this attempt (`attempt_store`), so a restart never reads a dead
     worker's address. Trainers that call ``init_process_group`` themselves do not get this;
     for them, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment gives every
-    attempt a fresh store (pytorch/pytorch#135712).
+    attempt a fresh store (pytorch/pytorch#135712). A torchrun worker also ends itself within
+    a second or so when its agent dies (`watch_agent`), instead of training on as an orphan.
     """
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: do not outlive the agent
+        watch_agent()
     if not dist.is_initialized() and ("RANK" not in os.environ or "WORLD_SIZE" not in os.environ):
         _world_of_one()
     from refimpl.device import backend_uses_cuda, rank_device
