@@ -35,21 +35,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from refimpl._sharded_async import AsyncSaveHandle, AsyncSaver, default_saver
 from refimpl._sharded_commit import verify_step
-from refimpl._sharded_errors import LOAD_ADVICE, ShardedCheckpointError, dcp_errors
+from refimpl._sharded_errors import ShardedCheckpointError, dcp_errors
+from refimpl._sharded_export import export_hf, read_full
 from refimpl._sharded_group import Group, commit_step, discard, prepare_step, quiet_no_dist
 from refimpl._sharded_inspect import inspect_sharded
 from refimpl._sharded_load import load_step
 from refimpl._sharded_paths import choose_step
-from refimpl._sharded_read import WeightsOnlyEmptyPlanner
 from refimpl._sharded_state import PerRank, check_mapping, pack_checked
 from refimpl.atomic import atomic_save
-from refimpl.checkpoint import CheckpointError, _as_step
+from refimpl.checkpoint import _as_step
 
 __all__ = [
     "AsyncSaveHandle",
@@ -58,6 +58,7 @@ __all__ = [
     "ShardedCheckpointError",
     "async_save_sharded",
     "consolidate",
+    "export_hf",
     "inspect_sharded",
     "load_sharded",
     "save_sharded",
@@ -263,23 +264,10 @@ def consolidate(
     and only ``key`` read); floating-point tensors are cast to ``dtype`` if given; the file
     is written with `refimpl.atomic.atomic_save`, so a crash leaves the old file or the new
     one. The result loads with ``refimpl.checkpoint.safe_load`` and, for ``key="model"``,
-    ``model.load_state_dict`` on an unwrapped model. Returns ``out_path``.
+    ``model.load_state_dict`` on an unwrapped model. Returns ``out_path``. `export_hf`
+    writes the model as Hugging Face safetensors instead.
     """
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    step_dir = Path(step_dir)
-    verify_step(step_dir)
-    state: dict[str, Any] = {}
-    with dcp_errors(step_dir, f"consolidation of {step_dir.name}", 0, LOAD_ADVICE):
-        _load_state_dict(
-            state,
-            storage_reader=FileSystemReader(step_dir),
-            planner=WeightsOnlyEmptyPlanner(keys=[key]),
-            no_dist=True,
-        )
-    if key not in state:
-        raise CheckpointError(step_dir, f"has no top-level key {key!r}; try 'model' or 'optim'")
-    value = state[key]
+    value = read_full(Path(step_dir), key)
     if dtype is not None:
         value = {
             k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
