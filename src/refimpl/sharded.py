@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -191,8 +192,9 @@ def load_sharded(
     process_group: dist.ProcessGroup | None = None,
     on_skip: Callable[[Path, str], None] | None = None,
     state: Mapping[str, Any] | None = None,
+    exclude: Sequence[str | re.Pattern[str]] = (),
 ) -> int | None:
-    """Load the newest verified step of ``path`` into ``model``, ``optimizer`` and ``state``.
+    r"""Load the newest verified step of ``path`` into ``model``, ``optimizer`` and ``state``.
 
     Collective. ``path`` is a checkpoint directory (steps are tried newest first; each one
     that is incomplete, corrupt or hostile is skipped and reported through ``on_skip(step_dir,
@@ -218,12 +220,25 @@ def load_sharded(
     another world size they are left as they are, their ``restored`` is False and a warning
     names them. A name the step does not have, or has as the other kind, raises.
 
+    Fine-tuning from a step: without ``optimizer`` and ``state`` only the model's weights
+    are read (the step's optimizer and state entries are not planned, so DCP reads none of
+    their bytes); ``exclude`` leaves model entries out of the load: a str names a key or a
+    module prefix (``"head"``: ``head.weight`` and ``head.bias``), a ``re.compile``\ d
+    pattern fullmatches keys. Excluded entries keep their current values (and, with an
+    optimizer, their optimizer state); they are not compared with the step, so a new output
+    head of another shape, or one the step does not have, loads the rest. An entry that
+    names no key of the model raises ``ValueError``. torchtitan's ``exclude_from_loading``
+    of the optimizer or a scheduler is here not passing them.
+
     Example::
 
         state = {"sched": scheduler, "rng": PerRank(rng), "epoch": 0}
         step = load_sharded("ckpt", model, optimizer, state=state)
         start = 0 if step is None else step + 1        # state["epoch"] is the saved one
+        load_sharded("ckpt/step_00000200", new_vocab_model, exclude=["output"])  # fine-tune
     """
+    if isinstance(exclude, (str, re.Pattern)):
+        raise TypeError(f"exclude takes a list of keys or patterns, not one: [{exclude!r}]")
     if state:
         check_mapping(state)
     group = Group(process_group)
@@ -240,7 +255,7 @@ def load_sharded(
             logger.info("load_sharded: no step in %s yet: starting fresh", path)
             return None
         try:
-            load_step(group, Path(step_dir_s), expected, world, model, optimizer, state)
+            load_step(group, Path(step_dir_s), expected, world, model, optimizer, state, exclude)
             return int(step)
         except ShardedCheckpointError as err:
             if single or not err.unsafe:
