@@ -1,11 +1,13 @@
-"""``python -m refimpl.checkpoint {list,verify,inspect} PATH``: look at checkpoints from a shell.
+"""``python -m refimpl.checkpoint {list,verify,inspect,export-hf} PATH``: checkpoints from a shell.
 
 - ``list DIR``: every step, its size, and whether it is complete and verifies;
 - ``verify DIR|STEP_DIR``: exit status 0 only if everything checked verifies (a directory of
   steps: every committed step), else 1, naming the bad file and the reason;
 - ``inspect STEP_DIR``: keys, tensor shapes and dtypes, and the versions that wrote it; for a
   sharded step also the world size that saved it, its size and its ``state=`` names
-  (`refimpl.sharded.inspect_sharded`).
+  (`refimpl.sharded.inspect_sharded`);
+- ``export-hf STEP_DIR OUT_DIR [--dtype bf16] [--max-shard-size 2GB]``: a sharded step's model
+  as Hugging Face safetensors (`refimpl.sharded.export_hf`).
 
 Each step is checked as the kind its manifest says it is: a file checkpoint
 (`refimpl.checkpoint`, integer format) or a sharded one (`refimpl.sharded`, format
@@ -175,6 +177,22 @@ def _cmd_inspect(path: Path) -> int:
     return 0
 
 
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "keep": None}
+
+
+def _cmd_export_hf(step_dir: Path, out_dir: Path, dtype: str, max_size: str | None) -> int:
+    from refimpl._sharded_export import export_hf
+
+    try:
+        files = export_hf(step_dir, out_dir, dtype=_DTYPES[dtype], max_shard_bytes=max_size)
+    except CheckpointError as exc:
+        print(f"BAD  {exc.path}: {exc.reason}")
+        return 1
+    for file in files:
+        print(f"{file}  {_human(file.stat().st_size)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m refimpl.checkpoint``; returns the exit status."""
     parser = argparse.ArgumentParser(
@@ -189,6 +207,13 @@ def main(argv: list[str] | None = None) -> int:
         ("inspect", "keys, shapes, dtypes, versions of one step"),
     ):
         sub.add_parser(name, help=text).add_argument("path", type=Path)
+    export = sub.add_parser("export-hf", help="a sharded step's model as HF safetensors")
+    export.add_argument("path", type=Path, help="a sharded step_N directory")
+    export.add_argument("out_dir", type=Path, help="the export directory (replaced atomically)")
+    export.add_argument("--dtype", choices=list(_DTYPES), default="bf16", help="keep: as saved")
+    export.add_argument("--max-shard-size", help="split into files of at most e.g. 2GB, 500MiB")
     args = parser.parse_args(argv)
+    if args.command == "export-hf":
+        return _cmd_export_hf(args.path, args.out_dir, args.dtype, args.max_shard_size)
     command = {"list": _cmd_list, "verify": _cmd_verify, "inspect": _cmd_inspect}
     return command[args.command](args.path)

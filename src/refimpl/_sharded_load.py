@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import pickle
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from refimpl._dcp_metadata import UnsafeMetadata, check_metadata
 from refimpl._sharded_commit import METADATA, Expected
 from refimpl._sharded_errors import LOAD_ADVICE, ShardedCheckpointError, dcp_errors
 from refimpl._sharded_group import Group, quiet_no_dist
-from refimpl._sharded_read import VerifyingReader, WeightsOnlyLoadPlanner, check_keys
+from refimpl._sharded_read import VerifyingReader, WeightsOnlyLoadPlanner, _few, check_keys
 
 logger = logging.getLogger("refimpl.sharded")
 
@@ -41,6 +42,56 @@ def _refuse(group: Group, path: Path, mine: str | None, prefix: str, unsafe: boo
         raise err
 
 
+def excluded_names(
+    model_state: Mapping[str, Any], exclude: Sequence[str | re.Pattern[str]]
+) -> set[str]:
+    """The model keys ``exclude`` names: a str is a key or a module prefix (``"head"`` names
+    ``head.weight`` and ``head.bias``), a compiled pattern fullmatches keys. An entry that
+    names no key raises ``ValueError``: a typo must not load what it meant to keep."""
+    names: set[str] = set()
+    for entry in exclude:
+        if isinstance(entry, re.Pattern):
+            hits = {k for k in model_state if entry.fullmatch(k)}
+        else:
+            hits = {k for k in model_state if k == entry or k.startswith(entry + ".")}
+        if not hits:
+            raise ValueError(
+                f"exclude entry {entry!r} names no key of the model (its keys are "
+                f"{_few(sorted(model_state))}); pass a key, a module prefix or a re.compile()d "
+                "pattern"
+            )
+        names |= hits
+    return names
+
+
+def _without(target: dict[str, Any], excluded: set[str]) -> dict[str, Any]:
+    """``target`` minus the excluded model entries and their optimizer state (shallow: the
+    tensors are the same objects, so DCP's in-place reads land in ``target``)."""
+    if not excluded:
+        return target
+    planned = dict(target)
+    planned["model"] = {k: v for k, v in target["model"].items() if k not in excluded}
+    if "optim" in target:
+        optim = target["optim"]
+        state = {k: v for k, v in optim["state"].items() if k not in excluded}
+        planned["optim"] = {**optim, "state": state}
+    return planned
+
+
+def _merge(target: dict[str, Any], planned: dict[str, Any]) -> None:
+    """Put what DCP loaded into ``planned`` (non-tensor items are replaced, not copied into)
+    back into ``target``, whose excluded entries keep their current values."""
+    if planned is target:
+        return
+    target["model"] = {**target["model"], **planned["model"]}
+    if "optim" in target:
+        state = {**target["optim"]["state"], **planned["optim"]["state"]}
+        target["optim"] = {**planned["optim"], "state": state}
+    for key, value in planned.items():
+        if key not in ("model", "optim"):
+            target[key] = value
+
+
 def load_step(
     group: Group,
     step_dir: Path,
@@ -49,10 +100,12 @@ def load_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
     state: Mapping[str, Any] | None = None,
+    exclude: Sequence[str | re.Pattern[str]] = (),
 ) -> None:
     """Load ``step_dir`` into ``model``, ``optimizer`` and ``state``. A step refused before
     anything was loaded raises `ShardedCheckpointError` with ``unsafe`` set (the caller falls
-    back); a step that does not fit raises one without."""
+    back); a step that does not fit raises one without. ``exclude``d model entries (and
+    their optimizer state) are not planned, so DCP never reads them, and keep their values."""
     sizes = {name: size for name, (size, _d) in expected.items() if name != METADATA}
     metadata = None
     try:
@@ -69,7 +122,8 @@ def load_step(
         else:
             msd, osd = get_state_dict(model, optimizer)
             target = {"model": msd, "optim": osd}
-    misfit = check_keys(metadata, target["model"])  # the same on every rank: all raise
+    excluded = excluded_names(target["model"], exclude)  # raises the same on every rank
+    misfit = check_keys(metadata, target["model"], excluded)  # the same on every rank: all raise
     if misfit is not None:
         raise ShardedCheckpointError(step_dir, f"{misfit}. {LOAD_ADVICE}", rank=group.rank)
     skipped: list[str] = []
@@ -92,13 +146,15 @@ def load_step(
             unsafe=False,
         )
         target.update(wanted)
+    planned = _without(target, excluded)
     with dcp_errors(step_dir, what, group.rank, LOAD_ADVICE), quiet_no_dist(group):
         dcp_load(
-            target,
+            planned,
             storage_reader=VerifyingReader(step_dir, expected, metadata),
             planner=WeightsOnlyLoadPlanner(),
             **group.dcp_kwargs(),
         )
+    _merge(target, planned)
     values: dict[str, Any] = {}
     if state:
         loaded = {k: v for k, v in target.items() if k not in ("model", "optim")}

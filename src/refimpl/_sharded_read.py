@@ -16,7 +16,7 @@ import io
 import os
 import pickle
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -142,16 +142,25 @@ class VerifyingReader(FileSystemReader):
         self._opened.clear()
 
 
-def check_keys(metadata: Metadata, model_state: Mapping[str, Any]) -> str | None:
+def check_keys(
+    metadata: Metadata, model_state: Mapping[str, Any], excluded: Collection[str] = ()
+) -> str | None:
     """Why the checkpoint's ``model`` items do not fit ``model_state``, or None.
 
     Both sides are compared as DCP flattens them (``model.0.weight``, ...), like
     ``load_state_dict(strict=True)``: keys only in the checkpoint (the model lost a layer)
-    and keys only in the model (it gained one).
+    and keys only in the model (it gained one). ``excluded`` names of the model (not
+    loaded) are left out on both sides.
     """
     flat, _mappings = flatten_state_dict({"model": dict(model_state)})
     mine = set(flat)
-    saved = {k for k in metadata.state_dict_metadata if k.startswith("model.")}
+    skip = tuple(f"model.{name}" for name in excluded)
+
+    def kept(key: str) -> bool:  # a non-tensor value is flattened into KEY.sub.keys
+        return not any(key == s or key.startswith(s + ".") for s in skip)
+
+    mine = {k for k in mine if kept(k)}
+    saved = {k for k in metadata.state_dict_metadata if k.startswith("model.") and kept(k)}
     unexpected, missing = sorted(saved - mine), sorted(mine - saved)
     if not unexpected and not missing:
         return None

@@ -29,27 +29,28 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from refimpl._sharded_async import AsyncSaveHandle, AsyncSaver, default_saver
 from refimpl._sharded_commit import verify_step
-from refimpl._sharded_errors import LOAD_ADVICE, ShardedCheckpointError, dcp_errors
+from refimpl._sharded_errors import ShardedCheckpointError, dcp_errors
+from refimpl._sharded_export import export_hf, read_full
 from refimpl._sharded_group import Group, commit_step, discard, prepare_step, quiet_no_dist
 from refimpl._sharded_inspect import inspect_sharded
 from refimpl._sharded_load import load_step
 from refimpl._sharded_paths import choose_step
-from refimpl._sharded_read import WeightsOnlyEmptyPlanner
 from refimpl._sharded_state import PerRank, check_mapping, pack_checked
 from refimpl.atomic import atomic_save
-from refimpl.checkpoint import CheckpointError, _as_step
+from refimpl.checkpoint import _as_step
 
 __all__ = [
     "AsyncSaveHandle",
@@ -58,6 +59,7 @@ __all__ = [
     "ShardedCheckpointError",
     "async_save_sharded",
     "consolidate",
+    "export_hf",
     "inspect_sharded",
     "load_sharded",
     "save_sharded",
@@ -190,8 +192,9 @@ def load_sharded(
     process_group: dist.ProcessGroup | None = None,
     on_skip: Callable[[Path, str], None] | None = None,
     state: Mapping[str, Any] | None = None,
+    exclude: Sequence[str | re.Pattern[str]] = (),
 ) -> int | None:
-    """Load the newest verified step of ``path`` into ``model``, ``optimizer`` and ``state``.
+    r"""Load the newest verified step of ``path`` into ``model``, ``optimizer`` and ``state``.
 
     Collective. ``path`` is a checkpoint directory (steps are tried newest first; each one
     that is incomplete, corrupt or hostile is skipped and reported through ``on_skip(step_dir,
@@ -217,12 +220,25 @@ def load_sharded(
     another world size they are left as they are, their ``restored`` is False and a warning
     names them. A name the step does not have, or has as the other kind, raises.
 
+    Fine-tuning from a step: without ``optimizer`` and ``state`` only the model's weights
+    are read (the step's optimizer and state entries are not planned, so DCP reads none of
+    their bytes); ``exclude`` leaves model entries out of the load: a str names a key or a
+    module prefix (``"head"``: ``head.weight`` and ``head.bias``), a ``re.compile``\ d
+    pattern fullmatches keys. Excluded entries keep their current values (and, with an
+    optimizer, their optimizer state); they are not compared with the step, so a new output
+    head of another shape, or one the step does not have, loads the rest. An entry that
+    names no key of the model raises ``ValueError``. torchtitan's ``exclude_from_loading``
+    of the optimizer or a scheduler is here not passing them.
+
     Example::
 
         state = {"sched": scheduler, "rng": PerRank(rng), "epoch": 0}
         step = load_sharded("ckpt", model, optimizer, state=state)
         start = 0 if step is None else step + 1        # state["epoch"] is the saved one
+        load_sharded("ckpt/step_00000200", new_vocab_model, exclude=["output"])  # fine-tune
     """
+    if isinstance(exclude, (str, re.Pattern)):
+        raise TypeError(f"exclude takes a list of keys or patterns, not one: [{exclude!r}]")
     if state:
         check_mapping(state)
     group = Group(process_group)
@@ -239,7 +255,7 @@ def load_sharded(
             logger.info("load_sharded: no step in %s yet: starting fresh", path)
             return None
         try:
-            load_step(group, Path(step_dir_s), expected, world, model, optimizer, state)
+            load_step(group, Path(step_dir_s), expected, world, model, optimizer, state, exclude)
             return int(step)
         except ShardedCheckpointError as err:
             if single or not err.unsafe:
@@ -263,23 +279,10 @@ def consolidate(
     and only ``key`` read); floating-point tensors are cast to ``dtype`` if given; the file
     is written with `refimpl.atomic.atomic_save`, so a crash leaves the old file or the new
     one. The result loads with ``refimpl.checkpoint.safe_load`` and, for ``key="model"``,
-    ``model.load_state_dict`` on an unwrapped model. Returns ``out_path``.
+    ``model.load_state_dict`` on an unwrapped model. Returns ``out_path``. `export_hf`
+    writes the model as Hugging Face safetensors instead.
     """
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    step_dir = Path(step_dir)
-    verify_step(step_dir)
-    state: dict[str, Any] = {}
-    with dcp_errors(step_dir, f"consolidation of {step_dir.name}", 0, LOAD_ADVICE):
-        _load_state_dict(
-            state,
-            storage_reader=FileSystemReader(step_dir),
-            planner=WeightsOnlyEmptyPlanner(keys=[key]),
-            no_dist=True,
-        )
-    if key not in state:
-        raise CheckpointError(step_dir, f"has no top-level key {key!r}; try 'model' or 'optim'")
-    value = state[key]
+    value = read_full(Path(step_dir), key)
     if dtype is not None:
         value = {
             k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v

@@ -237,8 +237,13 @@ def export_safetensors(
 
     from refimpl.atomic import atomic_write_bytes
 
-    tensors = {
-        k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous().clone()
-        for k, v in unwrap_state_dict(model).items()
-    }
+    tensors = {k: _inference_tensor(v, dtype) for k, v in unwrap_state_dict(model).items()}
     return atomic_write_bytes(save(tensors), path)
+
+
+def _inference_tensor(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` as safetensors stores it: floating point cast to ``dtype`` (None: kept), on the
+    CPU, contiguous, and a copy of its own (safetensors refuses tensors that share storage,
+    such as tied weights, and a view would save its whole base)."""
+    cast = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    return cast.detach().cpu().contiguous().clone()

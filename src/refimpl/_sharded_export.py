@@ -1,0 +1,217 @@
+"""What the ecosystem reads: a sharded step as one full state dict, and as Hugging Face files.
+
+`read_full` rebuilds one top-level key of a verified step whole, in one process (what
+``format_utils.dcp_to_torch_save`` does, with non-tensor items loaded weights-only);
+`refimpl.sharded.consolidate` writes it with ``torch.save`` and `export_hf` as safetensors
+in the layout ``transformers`` and ``safetensors.torch.load_file`` read: ``model.safetensors``,
+or ``model-00001-of-0000N.safetensors`` files plus ``model.safetensors.index.json``.
+The export is built in a hidden temporary directory and renamed into place, so a kill
+mid-export leaves the previous export (or none), never a mix that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+from refimpl._publish import publish_dir
+from refimpl._sharded_commit import verify_step
+from refimpl._sharded_errors import LOAD_ADVICE, dcp_errors
+from refimpl._sharded_read import WeightsOnlyEmptyPlanner
+from refimpl.atomic import _fsync_tree, fsync_dir, remove_stale_temps, temp_path
+from refimpl.checkpoint import CheckpointError
+from refimpl.state import _PREFIXES, _inference_tensor
+
+logger = logging.getLogger("refimpl.sharded")
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+_SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+# Wrapper segments that can sit anywhere in a name (FSDP1, activation checkpointing, a
+# compiled submodule); DDP's ``module.`` only ever comes first (refimpl.state._PREFIXES).
+_WRAPPERS = {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+
+
+def _save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """One safetensors file (an indirection the tests replace to kill an export half-way)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt"})  # what transformers checks
+
+
+def read_full(step_dir: Path, key: str) -> Any:
+    """The whole (unsharded) top-level ``key`` of the step, after `verify_step`."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    verify_step(step_dir)
+    state: dict[str, Any] = {}
+    with dcp_errors(step_dir, f"consolidation of {step_dir.name}", 0, LOAD_ADVICE):
+        _load_state_dict(
+            state,
+            storage_reader=FileSystemReader(step_dir),
+            planner=WeightsOnlyEmptyPlanner(keys=[key]),
+            no_dist=True,
+        )
+    if key not in state:
+        raise CheckpointError(step_dir, f"has no top-level key {key!r}; try 'model' or 'optim'")
+    return state[key]
+
+
+def clean_name(name: str) -> str:
+    """``name`` without DDP's, FSDP1's, activation checkpointing's or compile's wrapper parts."""
+    while name.startswith(_PREFIXES):
+        name = name.split(".", 1)[1]
+    return ".".join(part for part in name.split(".") if part not in _WRAPPERS)
+
+
+def parse_size(text: str) -> int:
+    """``"2GB"`` -> 2*10**9, ``"500MiB"`` -> 500*2**20, ``"1000"`` -> 1000 (as transformers)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
+    if match is None:
+        raise ValueError(f"not a size: {text!r}; write e.g. 2GB, 500MB, 1GiB or a byte count")
+    return int(float(match[1]) * _UNITS[(match[2] or "").upper()])
+
+
+def split(tensors: dict[str, torch.Tensor], max_bytes: int | None) -> list[list[str]]:
+    """Names grouped into files in order: each file's tensor bytes at most ``max_bytes``
+    (a tensor larger than that gets a file of its own, as transformers does)."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if max_bytes is not None and groups[-1] and size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return groups
+
+
+def _is_export_file(name: str) -> bool:
+    return name in (SINGLE, INDEX) or _SHARD_RE.fullmatch(name) is not None
+
+
+def _carry_over(old: Path, new: Path) -> None:
+    """Copy what the user put beside a previous export (config.json, a tokenizer) into
+    ``new``; the previous export's own files are not copied (the new ones replace them)."""
+    for entry in sorted(old.iterdir()):
+        if _is_export_file(entry.name):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, new / entry.name, symlinks=True)
+        else:
+            shutil.copy2(entry, new / entry.name, follow_symlinks=False)
+
+
+def write_export(
+    tensors: dict[str, torch.Tensor], out_dir: Path, max_bytes: int | None
+) -> list[Path]:
+    """Write ``tensors`` as safetensors into ``out_dir``, atomically; return the files."""
+    groups = split(tensors, max_bytes)
+    n = len(groups)
+    names = (
+        [SINGLE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    )
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NotADirectoryError(f"{out_dir} is a file: export_hf writes a directory")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(out_dir.parent, target=out_dir.name)  # what a killed export left
+    tmp = temp_path(out_dir)
+    tmp.mkdir()
+    try:
+        if out_dir.is_dir():
+            _carry_over(out_dir, tmp)
+        for file, group in zip(names, groups, strict=True):
+            _save_file({k: tensors[k] for k in group}, tmp / file)
+        if n > 1:  # the index last: without it the shards are not an export
+            index = {
+                "metadata": {
+                    "total_size": sum(t.numel() * t.element_size() for t in tensors.values())
+                },
+                "weight_map": {
+                    k: file for file, group in zip(names, groups, strict=True) for k in group
+                },
+            }
+            (tmp / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        _fsync_tree(tmp)
+        publish_dir(tmp, out_dir)  # one rename, or an atomic exchange with the old export
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(out_dir.parent)
+    return [out_dir / f for f in names] + ([out_dir / INDEX] if n > 1 else [])
+
+
+def export_hf(
+    step_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = torch.bfloat16,
+    max_shard_bytes: int | str | None = None,
+    key: str = "model",
+) -> list[Path]:
+    """Write the ``model`` of a sharded step as Hugging Face-style safetensors in ``out_dir``.
+
+    One process, no process group. The step is verified first (as `consolidate` does) and
+    rebuilt whole; floating-point tensors are cast to ``dtype`` (None keeps the saved
+    dtypes); names lose DDP/FSDP/compile wrapper parts (``module.``, ``_orig_mod.``,
+    ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``); tensors that shared
+    storage (tied weights) are written as separate copies, since safetensors refuses shared
+    storage. Only the model: no optimizer, no ``state=``. Non-tensor items (a module's
+    ``_extra_state``) cannot be stored in safetensors: they are skipped with a warning.
+
+    Without ``max_shard_bytes`` (or when everything fits in one file) the export is one
+    ``model.safetensors``. With it (bytes, or a string such as ``"2GB"`` or ``"500MiB"``)
+    the tensors are split in order into ``model-00001-of-0000N.safetensors`` files of at
+    most that many tensor bytes (a larger tensor gets a file alone) and
+    ``model.safetensors.index.json`` maps every name to its file
+    (``{"metadata": {"total_size": ...}, "weight_map": {...}}``). Every file loads with
+    ``safetensors.torch.load_file``; the directory with ``transformers``'
+    ``from_pretrained`` once its ``config.json`` is beside it.
+
+    Atomic: the files are written into a hidden temporary directory next to ``out_dir``,
+    fsynced and renamed to ``out_dir``; a kill mid-export leaves the previous ``out_dir``
+    (or none) and a temporary that the next export removes. An existing ``out_dir`` is
+    replaced by an atomic exchange; files in it that are not an export's (``config.json``,
+    a tokenizer) are copied into the new one first. Returns the files written, index last.
+
+    Example::
+
+        export_hf("ckpt/step_00000200", "hf", max_shard_bytes="2GB")
+        weights = {}
+        for f in Path("hf").glob("*.safetensors"):
+            weights |= safetensors.torch.load_file(f)
+    """
+    step_dir, out_dir = Path(step_dir), Path(out_dir)
+    limit = parse_size(max_shard_bytes) if isinstance(max_shard_bytes, str) else max_shard_bytes
+    if limit is not None and (type(limit) is not int or limit < 1):
+        raise ValueError(f"max_shard_bytes must be >= 1 byte or None, got {max_shard_bytes!r}")
+    if out_dir.resolve().is_relative_to(step_dir.resolve()):
+        raise ValueError(f"{out_dir} is inside the step {step_dir}: export somewhere else")
+    value = read_full(step_dir, key)
+    tensors: dict[str, torch.Tensor] = {}
+    skipped = []
+    for name in list(value):
+        item = value.pop(name)  # drop each original as it is converted: one copy at a time
+        new = clean_name(name)
+        if not isinstance(item, torch.Tensor):
+            skipped.append(name)
+            continue
+        if new in tensors:
+            raise ValueError(f"{name!r} and another key both become {new!r} once unwrapped")
+        tensors[new] = _inference_tensor(item, dtype)
+    if skipped:
+        logger.warning(
+            "export_hf: non-tensor item(s) %s not exported (safetensors holds tensors)", skipped
+        )
+    return write_export(tensors, out_dir, limit)
