@@ -96,3 +96,37 @@ def test_sharded_resume_at_another_world_size_trains_every_sample_once(tmp_path:
 def test_sharded_has_no_rng_to_leave_out() -> None:
     with pytest.raises(SystemExit):
         parse_args(["--sharded", "--no-restore", "rng"])
+
+
+ASYNC = ["--steps", "8", "--save-every", "2", "--keep-last", "4", "--samples", "32", "--seed", "3",
+         "--sharded", "--lr-schedule", "cosine", "--warmup-steps", "3"]  # fmt: skip
+
+
+def _async_args(d: Path, *extra: str) -> list[str]:
+    return [*ASYNC, "--ckpt-dir", str(d / "ckpt"), "--final-weights", str(d / "w.pt"), *extra]
+
+
+@pytest.mark.timeout(120)
+def test_async_save_commits_every_step_and_its_step_4_resumes_bit_identically(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--async-save`` with warmup + cosine: every save commits (the last one before the
+    final weights), and a sync resume from its step 4 ends on its weights: the background
+    save holds the same state (weights, AdamW, sampler, schedule) a sync one would."""
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    args = _async_args(full, "--async-save")
+    assert spawn(main, 2, args, timeout_s=90, rank_output="show") == [0, 0]
+    out = capsys.readouterr().out
+    committed = sorted((full / "ckpt").glob("step_*"))
+    assert [d.name for d in committed] == [f"step_{s:08d}" for s in (2, 4, 6, 8)]
+    for step_dir in committed:
+        verify_sharded(step_dir)
+        assert f"saved {step_dir.name}" in out
+    # Each commit is logged after the next steps trained (the write overlapped them), the
+    # last one before the final weights.
+    assert out.index("saving step 2 in the background") < out.index("step 3 loss")
+    assert out.index("step 3 loss") < out.index("saved step_00000002")
+    assert out.index("saved step_00000008") < out.index("final weights at step 8")
+    shutil.copytree(full / "ckpt" / "step_00000004", cut / "ckpt" / "step_00000004")
+    assert spawn(main, 2, _async_args(cut), timeout_s=90) == [0, 0]
+    assert same_weights(full / "w.pt", cut / "w.pt")
