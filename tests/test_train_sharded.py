@@ -130,3 +130,31 @@ def test_async_save_commits_every_step_and_its_step_4_resumes_bit_identically(
     shutil.copytree(full / "ckpt" / "step_00000004", cut / "ckpt" / "step_00000004")
     assert spawn(main, 2, _async_args(cut), timeout_s=90) == [0, 0]
     assert same_weights(full / "w.pt", cut / "w.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(170)
+def test_sigterm_with_async_save_commits_the_stop_step_and_the_rerun_is_bit_identical(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM to rank 1 under torchrun while background saves run: every rank stops after
+    the same step, the trainer waits until that step is committed and exits 0, and running
+    the command again finishes on the weights of a run never stopped."""
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert spawn(main, 2, _async_args(full, "--async-save"), timeout_s=90) == [0, 0]
+    args = _async_args(cut, "--async-save", "--step-sleep", "0.3")
+    run = _ok(run_train(args, sigterm_rank=1, sigterm_after_step=3, timeout_s=100))
+    stops = [e for e in run.events if e.kind == "stop"]
+    assert sorted(e.rank for e in stops) == [0, 1] and len({e.step for e in stops}) == 1
+    step = stops[0].step
+    assert step is not None and 3 <= step < 8
+    rank0 = [ln for ln in run.stdout.splitlines() if ln.startswith("[rank0] ")]
+    saved = rank0.index(f"[rank0] saved step_{step:08d}")  # the commit, waited for ...
+    assert saved < rank0.index(f"[rank0] SIGTERM: stopped after step {step}, checkpoint saved; "
+                               "exit 0")  # ... before the exit  # fmt: skip
+    last = sorted((cut / "ckpt").glob("step_*"))[-1]
+    assert last.name == f"step_{step:08d}"
+    verify_sharded(last)
+    assert not (cut / "w.pt").exists()
+    assert spawn(main, 2, _async_args(cut, "--async-save"), timeout_s=90) == [0, 0]
+    assert same_weights(full / "w.pt", cut / "w.pt")
