@@ -16,9 +16,16 @@ none of them (all damaged, or written by the other backend: ``--sharded`` forgot
 stops with the reasons instead of training from step 0 over them.
 
 ``--sharded`` swaps DDP for FSDP2 and rank 0's file for chapter 8's DCP checkpoints, which
-every rank writes in parallel and a restart at another world size reshards; the step and the
-sampler's position travel in the checkpoint, and dropout is re-seeded from (seed, rank, step)
-instead of saved (`refimpl._train_sharded`).
+every rank writes in parallel and a restart at another world size reshards; the step, the
+sampler's position and the LR schedule travel in the checkpoint's ``state=``, and dropout is
+re-seeded from (seed, rank, step) instead of saved (`refimpl._train_sharded`). Add
+``--async-save`` and each save is written while the next steps train, one at a time; the
+trainer waits for it before the final weights and before a SIGTERM exit
+(`refimpl._train_async`).
+
+``--lr-schedule cosine --warmup-steps N`` warms the rate up linearly over N steps, then decays
+it along a cosine to 0.1 x ``--lr`` at ``--steps`` (the default is a constant rate); the
+scheduler's state is saved with every checkpoint on both backends (`refimpl._train_schedule`).
 
 SIGTERM (a preemption: SLURM's ``--signal``, Kubernetes before its SIGKILL) finishes the current
 step, saves it and exits 0. The stop flag rides on the per-step loss all-reduce, so a signal to
