@@ -4,6 +4,9 @@ A worker killed under torchrun is restarted and the run ends bit-identical to on
 interrupted; a resume that leaves out the optimizer does not. A run saved at 2 ranks and
 resumed at 3 finishes, and every sample of the interrupted epoch is trained exactly once
 (the sample indices each rank trained are logged by ``--sample-log`` and counted here).
+With ``--async-save`` and a warmup + cosine schedule (`refimpl._train_async`,
+`refimpl._train_schedule`): every save commits, SIGTERM waits for the stop step's commit, and
+a resume after SIGTERM or a SIGKILL is bit-identical.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from refimpl.demos.chaos_runs import chaos_train
 from refimpl.demos.train import TrainRun, attempts, parse_log, run_train, same_weights
 from refimpl.launch import spawn
 from refimpl.sharded import verify_sharded
@@ -96,3 +100,81 @@ def test_sharded_resume_at_another_world_size_trains_every_sample_once(tmp_path:
 def test_sharded_has_no_rng_to_leave_out() -> None:
     with pytest.raises(SystemExit):
         parse_args(["--sharded", "--no-restore", "rng"])
+
+
+ASYNC = ["--steps", "8", "--save-every", "2", "--keep-last", "4", "--samples", "32", "--seed", "3",
+         "--sharded", "--lr-schedule", "cosine", "--warmup-steps", "3"]  # fmt: skip
+
+
+def _async_args(d: Path, *extra: str) -> list[str]:
+    return [*ASYNC, "--ckpt-dir", str(d / "ckpt"), "--final-weights", str(d / "w.pt"), *extra]
+
+
+@pytest.mark.timeout(120)
+def test_async_save_commits_every_step_and_its_step_4_resumes_bit_identically(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--async-save`` with warmup + cosine: every save commits (the last one before the
+    final weights), and a sync resume from its step 4 ends on its weights: the background
+    save holds the same state (weights, AdamW, sampler, schedule) a sync one would."""
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    args = _async_args(full, "--async-save")
+    assert spawn(main, 2, args, timeout_s=90, rank_output="show") == [0, 0]
+    out = capsys.readouterr().out
+    committed = sorted((full / "ckpt").glob("step_*"))
+    assert [d.name for d in committed] == [f"step_{s:08d}" for s in (2, 4, 6, 8)]
+    for step_dir in committed:
+        verify_sharded(step_dir)
+        assert f"saved {step_dir.name}" in out
+    # Each commit is logged after the next steps trained (the write overlapped them), the
+    # last one before the final weights.
+    assert out.index("saving step 2 in the background") < out.index("step 3 loss")
+    assert out.index("step 3 loss") < out.index("saved step_00000002")
+    assert out.index("saved step_00000008") < out.index("final weights at step 8")
+    shutil.copytree(full / "ckpt" / "step_00000004", cut / "ckpt" / "step_00000004")
+    assert spawn(main, 2, _async_args(cut), timeout_s=90) == [0, 0]
+    assert same_weights(full / "w.pt", cut / "w.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(170)
+def test_sigterm_with_async_save_commits_the_stop_step_and_the_rerun_is_bit_identical(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM to rank 1 under torchrun while background saves run: every rank stops after
+    the same step, the trainer waits until that step is committed and exits 0, and running
+    the command again finishes on the weights of a run never stopped."""
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert spawn(main, 2, _async_args(full, "--async-save"), timeout_s=90) == [0, 0]
+    args = _async_args(cut, "--async-save", "--step-sleep", "0.3")
+    run = _ok(run_train(args, sigterm_rank=1, sigterm_after_step=3, timeout_s=100))
+    stops = [e for e in run.events if e.kind == "stop"]
+    assert sorted(e.rank for e in stops) == [0, 1] and len({e.step for e in stops}) == 1
+    step = stops[0].step
+    assert step is not None and 3 <= step < 8
+    rank0 = [ln for ln in run.stdout.splitlines() if ln.startswith("[rank0] ")]
+    saved = rank0.index(f"[rank0] saved step_{step:08d}")  # the commit, waited for ...
+    assert saved < rank0.index(f"[rank0] SIGTERM: stopped after step {step}, checkpoint saved; "
+                               "exit 0")  # ... before the exit  # fmt: skip
+    last = sorted((cut / "ckpt").glob("step_*"))[-1]
+    assert last.name == f"step_{step:08d}"
+    verify_sharded(last)
+    assert not (cut / "w.pt").exists()
+    assert spawn(main, 2, _async_args(cut, "--async-save"), timeout_s=90) == [0, 0]
+    assert same_weights(full / "w.pt", cut / "w.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_kill_test_of_sharded_async_save_under_torchrun_is_bit_identical(tmp_path: Path) -> None:
+    """Chapter 10's kill test on ``refimpl.train --sharded --async-save`` with warmup + cosine:
+    a worker SIGKILLed mid-run, and rank 0 SIGKILLed as it starts the step-8 save while
+    step 4's background write may still run; torchrun restarts, the run ends bit-identical
+    to an uninterrupted one."""
+    extra = ["--async-save", "--lr-schedule", "cosine", "--warmup-steps", "3"]
+    rows = chaos_train(sharded=True, scenarios=["kill-rank1", "kill-rank0-save"],
+                       work=tmp_path, jobs=2, extra_args=extra, timeout_s=180)  # fmt: skip
+    assert [r.scenario for r in rows] == ["kill-rank1", "kill-rank0-save"]
+    for row in rows:
+        assert row.restarts >= 1 and row.resume is not None, row
+        assert row.equal, row

@@ -1,7 +1,8 @@
 """``python -m refimpl.train`` without ``--sharded``: DDP and chapter 5-6's file checkpoints.
 
 Rank 0 writes the whole training state (`refimpl.trainstate.capture_every_rank`: weights
-without the ``module.`` prefix, AdamW, the sampler position, every rank's RNG) as one verified
+without the ``module.`` prefix, AdamW, the LR scheduler, the sampler position, every rank's
+RNG) as one verified
 checkpoint; the other ranks wait for it with chapter 4's `main_process_first`. On a start,
 every rank reads the newest checkpoint that verifies, and the ranks check that they found
 the same one (`refimpl.trainstate.check_same_checkpoint`). `refimpl._train_sharded` has the
@@ -17,7 +18,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.lr_scheduler import LRScheduler
 
+from refimpl._train_schedule import check_restored, flat_schedule
 from refimpl.checkpoint import load_latest, save_checkpoint
 from refimpl.data import ResumableSampler
 from refimpl.state import restore_state, unwrap_state_dict
@@ -29,6 +32,7 @@ def save(
     args: argparse.Namespace,
     model: torch.nn.Module,
     opt: torch.optim.Optimizer,
+    sched: LRScheduler,
     sampler_state: Mapping[str, int],
     step: int,
     log: Callable[[str], None],
@@ -36,7 +40,7 @@ def save(
     """Every rank captures its RNG, rank 0 writes the checkpoint, the others wait for it."""
     world = dist.get_world_size()
     # Every rank's RNG goes to rank 0 (each rank's dropout stream differs: keep all).
-    state = capture_every_rank(model, opt, sampler_state=sampler_state,
+    state = capture_every_rank(model, opt, scheduler=sched, sampler_state=sampler_state,
                                epoch=int(sampler_state["epoch"]), step=step)  # fmt: skip
     # The other ranks wait here (not in the next step's all-reduce, under the training
     # timeout) and raise at once if rank 0's save fails: chapter 4.
@@ -51,6 +55,7 @@ def load(
     args: argparse.Namespace,
     model: torch.nn.Module,
     opt: torch.optim.Optimizer,
+    sched: LRScheduler,
     sampler: ResumableSampler,
     device: torch.device,
     log: Callable[[str], None],
@@ -71,8 +76,9 @@ def load(
     if "rng" in args.no_restore:
         state["rng"] = None
     optimizer = None if "optimizer" in args.no_restore else opt
-    info = restore_state(state, model, optimizer, rank=dist.get_rank(),
+    info = restore_state(state, model, optimizer, scheduler=sched, rank=dist.get_rank(),
                          world_size=dist.get_world_size())  # fmt: skip
+    check_restored(sched, opt, int(info["step"]), args.ckpt_dir, flat=flat_schedule(args))
     if "data" not in args.no_restore:
         sampler.load_state_dict(info["sampler"])
     if info["world_size"] != dist.get_world_size():

@@ -3,12 +3,15 @@
 Every rank holds and writes only its shard of the weights and the optimizer state
 (`refimpl.sharded.save_sharded`, committed when every rank's files are durable), and a start
 at any world size loads and reshards it. What the DDP path keeps in rank 0's file besides the
-weights travels here in ``state=``, in the same commit, the same on every rank: the step and
-the sampler's global position, which is all an exact resume at another world size needs.
+weights travels here in ``state=``, in the same commit, the same on every rank: the step, the
+sampler's global position and the LR scheduler (`refimpl._train_schedule`), which is all an
+exact resume at another world size needs. ``--async-save`` hands the same arguments to an
+`refimpl.sharded.AsyncSaver` instead (`refimpl._train_async`).
 
-Dropout's RNG is not saved: a rank's stream is re-seeded from (seed, rank, step) at every
-step, so a resumed step draws what the uninterrupted run drew at the same world size (at
-another world size the ranks, and so the streams, differ anyway).
+Dropout's RNG is not saved, so there is no `refimpl.sharded.PerRank` entry: a rank's stream is
+re-seeded from (seed, rank, step) at every step, so a resumed step draws what the
+uninterrupted run drew at the same world size (at another world size the ranks, and so the
+streams, differ anyway).
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.optim.lr_scheduler import LRScheduler
 
 from refimpl._train_resume import refuse_fresh_start
+from refimpl._train_schedule import check_restored, flat_schedule
 from refimpl.data import ResumableSampler
 from refimpl.sharded import ShardedCheckpointError, load_sharded, save_sharded
 
@@ -46,16 +51,24 @@ def seed_step(seed: int, rank: int, step: int) -> None:
     torch.manual_seed((seed * 1_000_003 + rank) * 1_000_003 + step)
 
 
+def trainer_state(
+    sched: LRScheduler, sampler_state: Mapping[str, int], step: int
+) -> dict[str, Any]:
+    """The ``state=`` of a save: equal on every rank, so each entry is shared (saved once)."""
+    return {"step": step, "sampler": dict(sampler_state), "scheduler": sched}
+
+
 def save(
     args: argparse.Namespace,
     model: torch.nn.Module,
     opt: torch.optim.Optimizer,
+    sched: LRScheduler,
     sampler_state: Mapping[str, int],
     step: int,
     log: Callable[[str], None],
 ) -> None:
     """Collective: every rank writes its shard; rank 0 commits the step when all are durable."""
-    state = {"step": step, "sampler": dict(sampler_state)}
+    state = trainer_state(sched, sampler_state, step)
     path = save_sharded(args.ckpt_dir, model, opt, step, keep_last=args.keep_last, state=state)
     if dist.get_rank() == 0:
         log(f"saved {path.name}")
@@ -65,6 +78,7 @@ def load(
     args: argparse.Namespace,
     model: torch.nn.Module,
     opt: torch.optim.Optimizer,
+    sched: LRScheduler,
     sampler: ResumableSampler,
     device: torch.device,
     log: Callable[[str], None],
@@ -75,7 +89,7 @@ def load(
     for everyone; DCP reshards. When committed steps exist and none loads, 0 too: the caller
     (`refimpl._train_resume.refuse_fresh_start`) then stops, naming the reason or the flag."""
     Path(args.ckpt_dir).mkdir(parents=True, exist_ok=True)  # a new run's root: a fresh start
-    state: dict[str, Any] = {"step": None, "sampler": None}
+    state: dict[str, Any] = {"step": None, "sampler": None, "scheduler": sched}
     optimizer = None if "optimizer" in args.no_restore else opt
     try:
         step = load_sharded(args.ckpt_dir, model, optimizer, state=state, on_skip=on_skip)
@@ -89,6 +103,7 @@ def load(
         raise RuntimeError(
             f"{args.ckpt_dir}: step_{step} holds trainer state of step {state['step']}"
         )
+    check_restored(sched, opt, step, args.ckpt_dir, flat=flat_schedule(args))
     if "data" not in args.no_restore:
         sampler.load_state_dict(state["sampler"])
     return step

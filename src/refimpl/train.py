@@ -16,9 +16,16 @@ none of them (all damaged, or written by the other backend: ``--sharded`` forgot
 stops with the reasons instead of training from step 0 over them.
 
 ``--sharded`` swaps DDP for FSDP2 and rank 0's file for chapter 8's DCP checkpoints, which
-every rank writes in parallel and a restart at another world size reshards; the step and the
-sampler's position travel in the checkpoint, and dropout is re-seeded from (seed, rank, step)
-instead of saved (`refimpl._train_sharded`).
+every rank writes in parallel and a restart at another world size reshards; the step, the
+sampler's position and the LR schedule travel in the checkpoint's ``state=``, and dropout is
+re-seeded from (seed, rank, step) instead of saved (`refimpl._train_sharded`). Add
+``--async-save`` and each save is written while the next steps train, one at a time; the
+trainer waits for it before the final weights and before a SIGTERM exit
+(`refimpl._train_async`).
+
+``--lr-schedule cosine --warmup-steps N`` warms the rate up linearly over N steps, then decays
+it along a cosine to 0.1 x ``--lr`` at ``--steps`` (the default is a constant rate); the
+scheduler's state is saved with every checkpoint on both backends (`refimpl._train_schedule`).
 
 SIGTERM (a preemption: SLURM's ``--signal``, Kubernetes before its SIGKILL) finishes the current
 step, saves it and exits 0. The stop flag rides on the per-step loss all-reduce, so a signal to
@@ -35,12 +42,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import torch
@@ -48,17 +53,19 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from refimpl import _train_files, _train_watchdog
+from refimpl import _train_files, _train_interrupts, _train_watchdog
 from refimpl._argtypes import float_range, int_range, nonempty
+from refimpl._train_interrupts import StopOnSigterm, inject_fault
 from refimpl._train_resume import refuse_fresh_start
-from refimpl.atomic import atomic_save, atomic_write_bytes
+from refimpl._train_schedule import make_scheduler
+from refimpl.atomic import atomic_save
 from refimpl.data import ResumableBatches, ResumableSampler
 from refimpl.launch import init_from_env
 from refimpl.sync import barrier_safe
 
 __all__ = ["FAULT_MARKER", "main", "make_data", "make_model", "parse_args"]
 
-FAULT_MARKER = "fault_injected_at_step_{step}"
+FAULT_MARKER = _train_interrupts.FAULT_MARKER
 """Name of the file `--fail-at-step` leaves in the checkpoint directory: the crash fires once."""
 
 
@@ -80,6 +87,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=positive, default=256, help="size of the synthetic dataset")
     p.add_argument("--lr", type=float_range(0, low_open=True), default=1e-2,
                    help="AdamW learning rate")  # fmt: skip
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                   help="after warmup: constant, or cosine to 0.1 x --lr at --steps")  # fmt: skip
+    p.add_argument("--warmup-steps", type=count, default=0, help="linear LR warmup steps")
     p.add_argument("--dropout", type=float_range(0, 1), default=0.1,
                    help="makes the RNG part of the state")  # fmt: skip
     p.add_argument("--pg-timeout", type=seconds, default=60.0, help="collective timeout, seconds")
@@ -91,6 +101,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="tqdm bar on rank 0 (auto: when stderr is a terminal)")  # fmt: skip
     p.add_argument("--sharded", action="store_true",
                    help="FSDP2 and sharded DCP checkpoints: resume at any world size")  # fmt: skip
+    p.add_argument("--async-save", action="store_true",
+                   help="with --sharded: write each checkpoint during the next steps")  # fmt: skip
     p.add_argument("--step-timeout", type=seconds, default=None,
                    help="kill a worker stuck in a step or a save this long (torchrun's file "
                    "timer: TORCHELASTIC_ENABLE_FILE_TIMER=1)")  # fmt: skip
@@ -113,6 +125,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.sharded and "rng" in args.no_restore:
         p.error("--sharded saves no RNG state (each step re-seeds dropout): nothing to leave out")
+    if args.async_save and not args.sharded:
+        p.error("--async-save needs --sharded (the file backend's rank 0 writes synchronously)")
     if args.step_timeout is not None and (why := _train_watchdog.unavailable()):
         p.error(why)
     return args
@@ -153,42 +167,9 @@ class _Log:
         sys.stdout.flush()
 
 
-class _StopOnSigterm:
-    """Turn SIGTERM into a flag the training loop reads between steps.
-
-    The handler only sets the flag: Python runs it between bytecodes, possibly in the middle
-    of a print or a save, so doing the work there would be unsafe. The previous handler is put
-    back on exit, since `main` also runs inside other programs (`refimpl.launch.spawn`).
-    """
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: Any = None
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.requested = True
-
-    def __enter__(self) -> _StopOnSigterm:
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        signal.signal(signal.SIGTERM, self._previous)
-
-
-def _inject_fault(ckpt_dir: str, step: int, log: _Log) -> None:
-    """Die at ``step`` unless this fault already fired; the marker makes the retry survive."""
-    marker = os.path.join(ckpt_dir, FAULT_MARKER.format(step=step))
-    if os.path.exists(marker):
-        return
-    os.makedirs(ckpt_dir, exist_ok=True)
-    atomic_write_bytes(b"", marker)  # before dying: the restarted worker must not die again
-    log(f"injected fault: exiting with code 1 at the start of step {step}")
-    os._exit(1)  # no cleanup, no exception handlers: as abrupt as a segfault or the OOM killer
-
-
 def _load(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer,
-          sampler: ResumableSampler, device: torch.device, log: _Log) -> int:  # fmt: skip
+          sched: Any, sampler: ResumableSampler, device: torch.device,
+          log: _Log) -> int:  # fmt: skip
     """Restore the newest checkpoint on every rank; return its step (0 without one).
 
     Loading nothing where committed steps exist raises on every rank instead of returning 0:
@@ -199,7 +180,7 @@ def _load(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Opt
         skipped.append(f"{step_dir.name}: {why}")
         log(f"skipped {step_dir.name}: {why}")
 
-    step = int(_backend(args).load(args, model, opt, sampler, device, log, on_skip))
+    step = int(_backend(args).load(args, model, opt, sched, sampler, device, log, on_skip))
     if not step:
         # Every rank decides from its own listing; one all-gather makes them stop together.
         mine = refuse_fresh_start(args.ckpt_dir, args.sharded, skipped)
@@ -240,22 +221,28 @@ def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device
         ddp = DDP(make_model(args.seed, args.dropout).to(device),
                   device_ids=[device] if device.type == "cuda" else None)  # fmt: skip
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
+    sched = make_scheduler(opt, args.lr_schedule, args.warmup_steps, args.steps)
     torch.manual_seed(args.seed + 1000 * (rank + 1))  # this rank's dropout stream
     sampler = ResumableSampler(args.samples, batch_size=args.batch_size, rank=rank,
                                world_size=world, seed=args.seed)  # fmt: skip
     x, y = (t.to(device) for t in make_data(args.samples, args.seed))
     restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     log(f"start: world {world}, restart {restarts}, device {device}")
-    step = _load(args, ddp, opt, sampler, device, log)
+    step = _load(args, ddp, opt, sched, sampler, device, log)
+    saves: Any = _backend(args)
+    if args.async_save:  # after the load: a restart's first save must not race it
+        from refimpl._train_async import AsyncSaves
+
+        saves = AsyncSaves(args, log)
     watchdog = _train_watchdog.Watchdog(args.step_timeout)
     if log.bar is not None:
         log.bar.update(step)
     batches = ResumableBatches(sampler)  # epoch after epoch, from where the sampler stands
     stats = torch.zeros(2, device=device)
-    with _StopOnSigterm() as sigterm:
+    with StopOnSigterm() as sigterm:
         while step < args.steps:
             if args.fail_at_step == step + 1 and rank == args.fail_rank % world:
-                _inject_fault(args.ckpt_dir, step + 1, log)
+                inject_fault(args.ckpt_dir, step + 1, log)
             if args.sharded:
                 _backend(args).seed_step(args.seed, rank, step + 1)
             _, batch = next(batches)
@@ -268,6 +255,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device
                 opt.zero_grad(set_to_none=True)
                 loss.backward()  # type: ignore[no-untyped-call]
                 opt.step()
+                sched.step()  # after opt.step: its last_epoch is the step count, saved with it
                 step += 1
                 # One all-reduce carries the loss and the stop flag: every rank learns that
                 # some rank got SIGTERM after the same step, so they all stop together.
@@ -284,11 +272,15 @@ def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device
                         _train_watchdog.hang_once(args.ckpt_dir, step, log)
                     # Saved after the step, nothing fetched ahead: the position after
                     # every batch handed out so far is where a resume starts.
-                    _backend(args).save(args, ddp, opt, batches.state_dict(), step, log)
+                    saves.save(args, ddp, opt, sched, batches.state_dict(), step, log)
             if stop:
+                if args.async_save:
+                    saves.close()  # the step just saved must be committed before exit 0
                 log(f"SIGTERM: stopped after step {step}, checkpoint saved; exit 0")
                 return 0
             time.sleep(args.step_sleep)
+    if args.async_save:
+        saves.close()  # the last step committed before the final weights say "done"
     if args.final_weights:
         weights = _backend(args).final_weights(ddp)  # a collective under FSDP2
         if rank == 0:

@@ -32,14 +32,19 @@ def chaos_train(
     timeout_s: float = 150.0,
     work: str | os.PathLike[str] | None = None,
     jobs: int = 1,
+    extra_args: Sequence[str] = (),
 ) -> list[ChaosRow]:
     """The kill test on ``torchrun --nproc_per_node=2 --max-restarts=2 -m refimpl.train``.
 
     Kills land at rank 0's ``step 6`` line (after the step-4 checkpoint) and, for rank 0 in a
-    save, at its ``step 8`` line, which `refimpl.train` prints just before saving step 8.
-    ``jobs`` scenarios run side by side (`refimpl.chaos.run_chaos`).
+    save, at its ``step 8`` line, which `refimpl.train` prints just before saving step 8 (with
+    ``--async-save``, just before staging it: the kill then lands with step 4's write done and
+    step 8's starting). ``extra_args`` go to `refimpl.train` after `TRAIN_ARGS` (for example
+    ``["--async-save", "--lr-schedule", "cosine"]``); ``jobs`` scenarios run side by side
+    (`refimpl.chaos.run_chaos`).
     """
-    cmd = train_command([*TRAIN_ARGS, *(["--sharded"] if sharded else [])], max_restarts=2)
+    flags = [*TRAIN_ARGS, *(["--sharded"] if sharded else []), *extra_args]
+    cmd = train_command(flags, max_restarts=2)
     return run_chaos(cmd, kill_on=r"^\[rank0\] step 6 loss", save_on=r"^\[rank0\] step 8 loss",
                      compare="w.pt", resume_on=r"\[rank0\] resumed from", scenarios=scenarios,
                      timeout_s=timeout_s, work=work, jobs=jobs)  # fmt: skip
