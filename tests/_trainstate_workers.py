@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from refimpl import _train_files
+from refimpl._train_schedule import make_scheduler
 from refimpl.checkpoint import CheckpointError, save_checkpoint
 from refimpl.data import ResumableSampler
 from refimpl.trainstate import (
@@ -94,9 +95,11 @@ def train_files_load_from_own_dir(dirs: list[str]) -> Any:
     model, opt = tiny_model()
     sampler = ResumableSampler(16, batch_size=2, rank=dist.get_rank(),
                                world_size=dist.get_world_size())  # fmt: skip
-    args = argparse.Namespace(ckpt_dir=dirs[dist.get_rank()], no_restore=[])
+    args = argparse.Namespace(ckpt_dir=dirs[dist.get_rank()], no_restore=[],
+                              lr_schedule="constant", warmup_steps=0, steps=8)  # fmt: skip
+    sched = make_scheduler(opt, "constant", 0, 8)
     try:
-        step = _train_files.load(args, model, opt, sampler, torch.device("cpu"), print,
+        step = _train_files.load(args, model, opt, sched, sampler, torch.device("cpu"), print,
                                  lambda d, why: None)  # fmt: skip
     except CheckpointMismatch as exc:
         return {"seen": exc.seen, "message": str(exc)}

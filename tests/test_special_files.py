@@ -19,7 +19,7 @@ from _sharded_models import trained
 from refimpl._dcp_metadata import check_metadata
 from refimpl.atomic import COMMIT_MARKER
 from refimpl.checkpoint import MANIFEST, load_latest, save_checkpoint
-from refimpl.sharded import load_sharded, save_sharded
+from refimpl.sharded import ShardedCheckpointError, load_sharded, save_sharded
 
 
 def _fifo(path: Path) -> None:
@@ -92,8 +92,9 @@ def test_metadata_and_marker_fifo_or_device_link_are_refused_at_once(
     step2 = save_sharded(tmp_path, model, opt, 2)
     make(step2 / COMMIT_MARKER)
     skipped: dict[str, str] = {}
-    step = load_sharded(tmp_path, *trained(1), on_skip=lambda d, w: skipped.__setitem__(d.name, w))
-    assert step is None
+    # Step 1 is committed but unloadable: an error, never a silent fresh start (issue 20).
+    with pytest.raises(ShardedCheckpointError, match="no committed step can be loaded"):
+        load_sharded(tmp_path, *trained(1), on_skip=lambda d, w: skipped.__setitem__(d.name, w))
     assert "no COMMITTED marker" in skipped["step_00000002"]
     assert "not a regular file" in skipped["step_00000001"]
 
