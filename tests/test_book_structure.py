@@ -83,3 +83,90 @@ def test_the_library_never_imports_a_demo_or_a_benchmark() -> None:
     for path in sorted((ROOT / "src" / "refimpl").glob("*.py")):
         text = path.read_text()
         assert not re.search(r"^\s*(from|import) refimpl\.(demos|bench)", text, re.M), path.name
+
+
+_HEADING = re.compile(r"#{1,6} ")
+_FENCE = re.compile(r"(`{3,}|:{3,})")
+
+
+def _blocks(markdown: str) -> list[str]:
+    """A markdown cell's blocks: paragraphs or lists, fenced blocks (whole), headings (alone)."""
+    blocks: list[list[str]] = []
+    current: list[str] = []
+    fence = ""
+    for line in markdown.splitlines():
+        stripped = line.strip()
+        if fence:
+            current.append(line)
+            if stripped.startswith(fence) and not stripped.strip(fence[0]):
+                blocks.append(current)
+                current, fence = [], ""
+            continue
+        opening = _FENCE.match(stripped)
+        if not stripped or _HEADING.match(line) or opening:
+            if current:
+                blocks.append(current)
+            current = []
+        if opening:
+            fence = opening.group(1)
+            current = [line]
+        elif _HEADING.match(line):
+            blocks.append([line])
+        elif stripped:
+            current.append(line)
+    if current:
+        blocks.append(current)
+    return ["\n".join(b) for b in blocks]
+
+
+def _announcements_without_their_code(cells: list) -> list[str]:
+    """Paragraphs ending in a colon that a heading follows before any code cell does."""
+    found = []
+    for i, cell in enumerate(cells):
+        if cell.cell_type != "markdown":
+            continue
+        blocks = _blocks(cell.source)
+        for j, block in enumerate(blocks):
+            if not block.endswith(":") or _HEADING.match(block) or _FENCE.match(block):
+                continue
+            where = f"cell {i}: ...{block[-50:]!r}"
+            if j + 1 < len(blocks):  # the announced thing is in the same cell, unless a heading
+                if _HEADING.match(blocks[j + 1]):
+                    found.append(f"{where} is followed by {blocks[j + 1]!r}")
+                continue
+            for later in cells[i + 1 :]:
+                if later.cell_type == "code":
+                    break
+                heading = next((b for b in _blocks(later.source) if _HEADING.match(b)), None)
+                if heading is not None:
+                    found.append(f"{where} is followed by {heading!r}")
+                    break
+            else:
+                found.append(f"{where} ends the chapter")
+    return found
+
+
+def test_announcing_colon_checker_catches_a_misplaced_heading() -> None:
+    new = nbformat.v4
+    announce = "The numbers are printed below:"
+    bad_in_cell = [new.new_markdown_cell(f"{announce}\n\n## Next section"), new.new_code_cell("")]
+    bad_next = [
+        new.new_markdown_cell(announce),
+        new.new_markdown_cell("## Next"),
+        new.new_code_cell(""),
+    ]
+    bad_last = [new.new_markdown_cell(announce)]
+    good = [new.new_markdown_cell("Three cases:\n\n- a\n- b\n\n## Next"), new.new_code_cell("")]
+    fenced = [new.new_markdown_cell(":::{note}\nsee:\n:::\n\n## Next"), new.new_code_cell("")]
+    good_code = [new.new_markdown_cell(announce), new.new_code_cell("print(1)")]
+    for cells in (bad_in_cell, bad_next, bad_last):
+        assert _announcements_without_their_code(cells), cells
+    for cells in (good, fenced, good_code):
+        assert not _announcements_without_their_code(cells), cells
+
+
+def test_code_announced_with_a_colon_comes_before_the_next_heading() -> None:
+    """A paragraph ending "...below:" then a heading puts the code under the wrong section."""
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        found = _announcements_without_their_code(nbformat.read(path, as_version=4).cells)
+        assert not found, f"{path.name}: move the heading above the announcing paragraph: {found}"
