@@ -1,6 +1,7 @@
 """The book's parts agree: every notebook is in the table of contents, every refimpl module is
-in the API reference, every citation has a bibliography entry, and chapter, module and test
-names line up."""
+in the API reference, every citation has a bibliography entry, chapter, module and test names
+line up, code announced with a colon comes before the next heading, and the chapters link to
+each other, the API page and the glossary."""
 
 from __future__ import annotations
 
@@ -170,3 +171,51 @@ def test_code_announced_with_a_colon_comes_before_the_next_heading() -> None:
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
         found = _announcements_without_their_code(nbformat.read(path, as_version=4).cells)
         assert not found, f"{path.name}: move the heading above the announcing paragraph: {found}"
+
+
+_LINK = re.compile(r"\[[^\]]*\]\(([^)#\s]+\.(?:ipynb|md))(?:#[^)]*)?\)")
+
+
+def _chapters() -> list[Path]:
+    return sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+def test_every_chapter_links_to_other_chapters_the_api_and_the_glossary() -> None:
+    """Each chapter links to another chapter, to the API page, to the glossary, and ends with a
+    link to the next chapter (the last one back to the start)."""
+    chapters = _chapters()
+    for n, path in enumerate(chapters):
+        cells = [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "markdown"]
+        text = "\n".join(c.source for c in cells)
+        others = {t for t in _LINK.findall(text) if t != path.name and t.endswith(".ipynb")}
+        assert others, f"{path.name} links to no other chapter"
+        assert re.search(r"\{py:(func|class|mod|meth)\}`", text), f"{path.name}: no API link"
+        assert "{term}`" in text, f"{path.name}: no glossary link"
+        last = cells[-1].source
+        if n + 1 < len(chapters):
+            assert last.startswith("Next: ") and chapters[n + 1].name in _LINK.findall(last), (
+                f"{path.name} should end with 'Next: [chapter ...]({chapters[n + 1].name})'"
+            )
+        else:
+            assert "../book/intro.md" in _LINK.findall(last), f"{path.name}: no way back"
+
+
+def test_every_link_to_a_chapter_or_page_points_at_a_file() -> None:
+    sources = [(p, p.read_text()) for p in (ROOT / "book").glob("*.md")]
+    for path in _chapters():
+        nb = nbformat.read(path, as_version=4)
+        sources += [(path, c.source) for c in nb.cells if c.cell_type == "markdown"]
+    checked = 0
+    for path, text in sources:
+        for target in _LINK.findall(text):
+            if "://" not in target:
+                assert (path.parent / target).resolve().exists(), f"{path.name}: {target}"
+                checked += 1
+    assert checked >= 2 * len(_chapters()), checked
+
+
+def test_the_glossary_points_back_to_the_chapters() -> None:
+    glossary = (ROOT / "book" / "glossary.md").read_text()
+    assert "```{glossary}" in glossary, "{term} roles need a Sphinx glossary"
+    assert not re.search(r"\(ch\. \d", glossary), "a plain-text (ch. N) pointer is left"
+    assert len(re.findall(r"\]\(\.\./notebooks/\d\d_\w+\.ipynb\)", glossary)) >= 20
