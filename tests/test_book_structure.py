@@ -1,6 +1,7 @@
 """The book's parts agree: every notebook is in the table of contents, every refimpl module is
-in the API reference, every citation has a bibliography entry, and chapter, module and test
-names line up."""
+in the API reference, every citation has a bibliography entry, chapter, module and test names
+line up, code announced with a colon comes before the next heading, and the chapters link to
+each other, the API page and the glossary."""
 
 from __future__ import annotations
 
@@ -83,3 +84,138 @@ def test_the_library_never_imports_a_demo_or_a_benchmark() -> None:
     for path in sorted((ROOT / "src" / "refimpl").glob("*.py")):
         text = path.read_text()
         assert not re.search(r"^\s*(from|import) refimpl\.(demos|bench)", text, re.M), path.name
+
+
+_HEADING = re.compile(r"#{1,6} ")
+_FENCE = re.compile(r"(`{3,}|:{3,})")
+
+
+def _blocks(markdown: str) -> list[str]:
+    """A markdown cell's blocks: paragraphs or lists, fenced blocks (whole), headings (alone)."""
+    blocks: list[list[str]] = []
+    current: list[str] = []
+    fence = ""
+    for line in markdown.splitlines():
+        stripped = line.strip()
+        if fence:
+            current.append(line)
+            if stripped.startswith(fence) and not stripped.strip(fence[0]):
+                blocks.append(current)
+                current, fence = [], ""
+            continue
+        opening = _FENCE.match(stripped)
+        if not stripped or _HEADING.match(line) or opening:
+            if current:
+                blocks.append(current)
+            current = []
+        if opening:
+            fence = opening.group(1)
+            current = [line]
+        elif _HEADING.match(line):
+            blocks.append([line])
+        elif stripped:
+            current.append(line)
+    if current:
+        blocks.append(current)
+    return ["\n".join(b) for b in blocks]
+
+
+def _announcements_without_their_code(cells: list) -> list[str]:
+    """Paragraphs ending in a colon that a heading follows before any code cell does."""
+    found = []
+    for i, cell in enumerate(cells):
+        if cell.cell_type != "markdown":
+            continue
+        blocks = _blocks(cell.source)
+        for j, block in enumerate(blocks):
+            if not block.endswith(":") or _HEADING.match(block) or _FENCE.match(block):
+                continue
+            where = f"cell {i}: ...{block[-50:]!r}"
+            if j + 1 < len(blocks):  # the announced thing is in the same cell, unless a heading
+                if _HEADING.match(blocks[j + 1]):
+                    found.append(f"{where} is followed by {blocks[j + 1]!r}")
+                continue
+            for later in cells[i + 1 :]:
+                if later.cell_type == "code":
+                    break
+                heading = next((b for b in _blocks(later.source) if _HEADING.match(b)), None)
+                if heading is not None:
+                    found.append(f"{where} is followed by {heading!r}")
+                    break
+            else:
+                found.append(f"{where} ends the chapter")
+    return found
+
+
+def test_announcing_colon_checker_catches_a_misplaced_heading() -> None:
+    new = nbformat.v4
+    announce = "The numbers are printed below:"
+    bad_in_cell = [new.new_markdown_cell(f"{announce}\n\n## Next section"), new.new_code_cell("")]
+    bad_next = [
+        new.new_markdown_cell(announce),
+        new.new_markdown_cell("## Next"),
+        new.new_code_cell(""),
+    ]
+    bad_last = [new.new_markdown_cell(announce)]
+    good = [new.new_markdown_cell("Three cases:\n\n- a\n- b\n\n## Next"), new.new_code_cell("")]
+    fenced = [new.new_markdown_cell(":::{note}\nsee:\n:::\n\n## Next"), new.new_code_cell("")]
+    good_code = [new.new_markdown_cell(announce), new.new_code_cell("print(1)")]
+    for cells in (bad_in_cell, bad_next, bad_last):
+        assert _announcements_without_their_code(cells), cells
+    for cells in (good, fenced, good_code):
+        assert not _announcements_without_their_code(cells), cells
+
+
+def test_code_announced_with_a_colon_comes_before_the_next_heading() -> None:
+    """A paragraph ending "...below:" then a heading puts the code under the wrong section."""
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        found = _announcements_without_their_code(nbformat.read(path, as_version=4).cells)
+        assert not found, f"{path.name}: move the heading above the announcing paragraph: {found}"
+
+
+_LINK = re.compile(r"\[[^\]]*\]\(([^)#\s]+\.(?:ipynb|md))(?:#[^)]*)?\)")
+
+
+def _chapters() -> list[Path]:
+    return sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+def test_every_chapter_links_to_other_chapters_the_api_and_the_glossary() -> None:
+    """Each chapter links to another chapter, to the API page, to the glossary, and ends with a
+    link to the next chapter (the last one back to the start)."""
+    chapters = _chapters()
+    for n, path in enumerate(chapters):
+        cells = [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "markdown"]
+        text = "\n".join(c.source for c in cells)
+        others = {t for t in _LINK.findall(text) if t != path.name and t.endswith(".ipynb")}
+        assert others, f"{path.name} links to no other chapter"
+        assert re.search(r"\{py:(func|class|mod|meth)\}`", text), f"{path.name}: no API link"
+        assert "{term}`" in text, f"{path.name}: no glossary link"
+        last = cells[-1].source
+        if n + 1 < len(chapters):
+            assert last.startswith("Next: ") and chapters[n + 1].name in _LINK.findall(last), (
+                f"{path.name} should end with 'Next: [chapter ...]({chapters[n + 1].name})'"
+            )
+        else:
+            assert "../book/intro.md" in _LINK.findall(last), f"{path.name}: no way back"
+
+
+def test_every_link_to_a_chapter_or_page_points_at_a_file() -> None:
+    sources = [(p, p.read_text()) for p in (ROOT / "book").glob("*.md")]
+    for path in _chapters():
+        nb = nbformat.read(path, as_version=4)
+        sources += [(path, c.source) for c in nb.cells if c.cell_type == "markdown"]
+    checked = 0
+    for path, text in sources:
+        for target in _LINK.findall(text):
+            if "://" not in target:
+                assert (path.parent / target).resolve().exists(), f"{path.name}: {target}"
+                checked += 1
+    assert checked >= 2 * len(_chapters()), checked
+
+
+def test_the_glossary_points_back_to_the_chapters() -> None:
+    glossary = (ROOT / "book" / "glossary.md").read_text()
+    assert "```{glossary}" in glossary, "{term} roles need a Sphinx glossary"
+    assert not re.search(r"\(ch\. \d", glossary), "a plain-text (ch. N) pointer is left"
+    assert len(re.findall(r"\]\(\.\./notebooks/\d\d_\w+\.ipynb\)", glossary)) >= 20
