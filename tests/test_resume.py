@@ -6,9 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import TensorDataset
 
+from refimpl.data import ResumableSampler
 from refimpl.demos.resume import (
     count_lost_repeated,
+    loader_stop_resume,
     lost_repeated_table,
     minimind_draws,
     resume_experiment,
@@ -38,6 +41,29 @@ def test_stateful_dataloader_exact_same_world_size_not_across() -> None:
     assert stateful_dataloader_resume(96, 4, 2, 2, 5, num_workers=2) == (0, 0)
     lost, repeated = stateful_dataloader_resume(96, 4, 2, 4, 5)
     assert (lost, repeated) != (0, 0)
+
+
+@pytest.mark.parametrize("save", ["batches_done", "stateful"])
+def test_loader_with_workers_resumes_where_training_stopped(save: str) -> None:
+    # 46 samples, global batch 2 x 3 = 6: the last global batch has 2 positions of padding.
+    data = TensorDataset(torch.arange(46))
+    for rank in range(2):
+        r = loader_stop_resume(
+            data, batch_size=3, rank=rank, world_size=2, stop_after=3, save=save, seed=1
+        )
+        assert r["first"] == r["full"][:3] and r["rest"] == r["full"][3:]
+        # Workers prefetched 2 x 2 batches ahead of the 3 consumed: the sampler ran ahead.
+        assert r["sampler_ahead"]["position"] == 7 * 6
+    s = ResumableSampler(46, batch_size=3, rank=1, world_size=2, seed=1)
+    assert [p for p in s.positions() if s.is_padding(p)] == [46, 47]
+
+
+def test_loader_saving_the_sampler_count_loses_prefetched_batches() -> None:
+    r = loader_stop_resume(
+        TensorDataset(torch.arange(46)), batch_size=3, rank=0, world_size=2, stop_after=3,
+        save="sampler_count", seed=1,
+    )  # fmt: skip
+    assert r["rest"] == r["full"][7:] and len(r["full"]) == 8
 
 
 @pytest.mark.slow

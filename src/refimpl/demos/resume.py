@@ -6,17 +6,19 @@ batch-skipping sampler over a `DistributedSampler`); `resumable_draws` does the 
 resume with `refimpl.data.ResumableSampler`. `count_lost_repeated` says how many samples of
 the epoch were never drawn or drawn twice (tail padding not counted). `train` is the spawned
 worker of the resume-equivalence runs; `stateful_dataloader_resume` runs torchdata's
-``StatefulDataLoader`` on simulated ranks.
+``StatefulDataLoader`` on simulated ranks. `loader_stop_resume` stops and resumes one
+simulated rank's epoch under a ``DataLoader`` with worker processes, saving the position
+three ways (the trainer's batch count, the sampler's own count, ``StatefulDataLoader``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from refimpl.checkpoint import load_latest, save_checkpoint
 from refimpl.data import ResumableSampler
@@ -203,6 +205,60 @@ def stateful_dataloader_resume(
         for batch in dl:
             draws += [(int(i), False) for i in batch]
     return count_lost_repeated(n, draws)
+
+
+def loader_stop_resume(
+    dataset: Dataset[Any],
+    *,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    stop_after: int,
+    save: Literal["batches_done", "sampler_count", "stateful"] = "batches_done",
+    num_workers: int = 2,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """One simulated rank's epoch through a loader with worker processes, run three times:
+    uninterrupted; stopped after ``stop_after`` consumed batches, saving the position; and
+    resumed from it in a fresh loader and sampler. ``save`` picks what is saved: the trainer's
+    count, ``sampler.state_dict(batches_done=stop_after)``; the sampler's own count of indices
+    handed out, ``sampler.state_dict()`` (wrong under prefetching); or torchdata's
+    ``StatefulDataLoader.state_dict()`` (the loader is then a ``StatefulDataLoader``, which
+    stores the sampler's ``state_dict()`` as it was when each batch was sent to a worker).
+    ``dataset`` yields 1-tuples of a number (a ``TensorDataset``). Returns the batches, as
+    lists, of the uninterrupted run (``"full"``), the stopped one (``"first"``) and the
+    resumed one (``"rest"``), the saved state (``"saved"``) and the sampler's own state at the
+    save (``"sampler_ahead"``, where its iterator had got to)."""
+    n = len(dataset)  # type: ignore[arg-type]
+
+    def fresh() -> tuple[ResumableSampler, Any]:
+        s = ResumableSampler(n, batch_size=batch_size, rank=rank, world_size=world_size, seed=seed)
+        if save == "stateful":
+            from torchdata.stateful_dataloader import StatefulDataLoader
+
+            return s, StatefulDataLoader(
+                dataset, batch_size=batch_size, sampler=s, num_workers=num_workers
+            )
+        return s, DataLoader(dataset, batch_size=batch_size, sampler=s, num_workers=num_workers)
+
+    def listed(batch: Any) -> list[int]:
+        return [int(i) for i in batch[0]]
+
+    full = [listed(b) for b in fresh()[1]]
+    sampler, loader = fresh()
+    it = iter(loader)
+    first = [listed(next(it)) for _ in range(stop_after)]
+    ahead = sampler.state_dict()
+    saved: dict[str, Any] = ahead
+    if save == "batches_done":
+        saved = sampler.state_dict(batches_done=stop_after)
+    elif save == "stateful":
+        saved = loader.state_dict()
+    del it  # the "crash": workers and prefetched batches are gone
+    sampler, loader = fresh()
+    (loader if save == "stateful" else sampler).load_state_dict(saved)
+    rest = [listed(b) for b in loader]
+    return {"full": full, "first": first, "rest": rest, "saved": saved, "sampler_ahead": ahead}
 
 
 def resume_experiment(
