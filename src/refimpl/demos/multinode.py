@@ -1,0 +1,303 @@
+"""Chapter 10's multi-node runs, on one machine: two torchrun agents, a node lost, a node back.
+
+Each "node" is one ``torchrun --nproc-per-node=1 --rdzv-backend=c10d`` agent in a session of
+its own, both meeting at one endpoint on 127.0.0.1; node ``a`` serves the rendezvous store
+(``is_host=1``), so the node that is lost is always the other one. Losing a node is what a
+scheduler does to it: SIGKILL its agent and its worker, by pid. `fixed_restart` kills a worker
+of a fixed two-node job (``--fail-at-step``); `elastic_loss` kills node ``b`` of a ``1:2``
+job, lets the job go on alone and, with ``regrow=True``, starts ``b`` again. `trained_once`
+counts, from ``--sample-log``, which samples the final model was trained on.
+
+Linux only (processes are found through ``/proc``, as in `refimpl._chaos_proc`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from refimpl._chaos_proc import MARKER, descendants, kill_run, marked, signal_all
+
+__all__ = ["RDZV_CONF", "Node", "TwoNodes", "agent_command", "elastic_loss", "fixed_restart"]
+__all__ += ["free_port", "rank0_attempts", "trained_once"]
+
+RDZV_CONF = {
+    "join_timeout": 60,  # default 600: a node that waits longer than this for a round fails
+    "last_call_timeout": 1,  # default 30: the wait for more nodes once --nnodes' minimum is in
+    "close_timeout": 10,  # default 30
+    "keep_alive_interval": 1,  # default 5: a node's heartbeat to the rendezvous, in seconds
+    "keep_alive_max_attempt": 4,  # default 3: x interval = silence before a node counts as dead
+}
+"""``--rdzv-conf`` for these runs: torch 2.13's defaults wait 30 s for late nodes and notice
+a dead one after 15 s (`torch.distributed.elastic.rendezvous.dynamic_rendezvous`)."""
+_START = re.compile(r"^\[rank0\] start: world (\d+)")
+_RESUME = re.compile(r"^\[rank0\] (?:resumed from step_(\d+)|no checkpoint in)")
+_STEP = re.compile(r"^\[rank0\] step (\d+) loss")
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (bind to port 0, read it, close)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def agent_command(
+    train_args: Sequence[str], *, nnodes: str, port: int, rdzv_id: str, host: bool,
+    max_restarts: int = 2,
+) -> list[str]:  # fmt: skip
+    """One node's line: ``torchrun --nnodes=N --nproc-per-node=1 --rdzv-backend=c10d ...``."""
+    conf = ",".join(f"{k}={v}" for k, v in {**RDZV_CONF, "is_host": int(host)}.items())
+    torchrun = Path(sys.executable).with_name("torchrun")
+    head = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    return [*head, f"--nnodes={nnodes}", "--nproc-per-node=1", f"--max-restarts={max_restarts}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv_id}",
+            f"--rdzv-conf={conf}", "-m", "refimpl.train", *train_args]  # fmt: skip
+
+
+@dataclass
+class Node:
+    """One agent: its process, its output lines (stdout and stderr, worker and agent) with
+    the monotonic time each arrived, and its exit status (None while running or killed)."""
+
+    name: str
+    proc: subprocess.Popen[str]
+    token: str
+    lines: list[tuple[float, str]] = field(default_factory=list)
+    killed_at: float | None = None
+    reader: threading.Thread | None = None
+
+
+class TwoNodes:
+    """Start agents side by side, watch their lines, kill one as a scheduler does, and on
+    exit kill whatever is left (every process carries a marker, as in `refimpl.chaos`)."""
+
+    def __init__(self, workdir: str | os.PathLike[str], train_args: Sequence[str], *,
+                 nnodes: str, max_restarts: int = 2, share_store: bool = True) -> None:  # fmt: skip
+        self.share_store = share_store
+        self.workdir, self.train_args = Path(workdir), list(train_args)
+        self.nnodes, self.max_restarts = nnodes, max_restarts
+        self.port, self.rdzv_id = free_port(), f"run{uuid.uuid4().hex[:8]}"
+        self.nodes: list[Node] = []
+        self.t0 = time.monotonic()
+        self._new_line = threading.Condition()
+
+    def __enter__(self) -> TwoNodes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self, name: str, *, host: bool) -> Node:
+        """Start one agent (``host``: it serves the rendezvous store)."""
+        cmd = agent_command(self.train_args, nnodes=self.nnodes, port=self.port,
+                            rdzv_id=self.rdzv_id, host=host,
+                            max_restarts=self.max_restarts)  # fmt: skip
+        token = uuid.uuid4().hex
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+        env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+        if not self.share_store:  # a store per round: see `elastic_loss`
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        env.update({MARKER: token, "LOGLEVEL": "INFO"})
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=env, cwd=self.workdir, start_new_session=True,
+                                errors="replace")  # fmt: skip
+        node = Node(name, proc, token)
+        node.reader = threading.Thread(target=self._read, args=(node,), daemon=True)
+        node.reader.start()
+        self.nodes.append(node)
+        return node
+
+    def _read(self, node: Node) -> None:
+        assert node.proc.stdout is not None
+        for line in node.proc.stdout:
+            with self._new_line:
+                node.lines.append((time.monotonic(), line.rstrip("\n")))
+                self._new_line.notify_all()
+        with self._new_line:
+            self._new_line.notify_all()
+
+    def lines(self) -> list[tuple[float, str, str]]:
+        """(time since start, node, line) of every node, in the order they arrived."""
+        with self._new_line:
+            out = [(t - self.t0, n.name, line) for n in self.nodes for t, line in n.lines]
+        return sorted(out, key=lambda x: x[0])
+
+    def wait_for(self, pattern: str, *, since: float = 0.0, timeout_s: float = 60.0) -> float:
+        """Wait for a line matching ``pattern`` that arrived after ``since`` (seconds from
+        the start); return its time. `TimeoutError` when none came."""
+        regex, deadline = re.compile(pattern), time.monotonic() + timeout_s
+        with self._new_line:
+            while True:
+                for t, _, line in self.lines():
+                    if t >= since and regex.search(line):
+                        return t
+                left = deadline - time.monotonic()
+                if left <= 0 or all(n.proc.poll() is not None for n in self.nodes):
+                    raise TimeoutError(f"no line matching {pattern!r} within {timeout_s} s")
+                self._new_line.wait(min(left, 0.5))
+
+    def kill(self, node: Node) -> float:
+        """SIGKILL the node's agent and its worker (found before the kill, by pid); return
+        the time, in seconds from the start."""
+        pids = [node.proc.pid, *descendants(node.proc.pid)]
+        node.killed_at = time.monotonic() - self.t0
+        signal_all(pids, signal.SIGKILL)
+        return node.killed_at
+
+    def wait(self, timeout_s: float) -> list[int | None]:
+        """Wait for every agent still running to exit; their exit codes (None: killed here
+        on the timeout, or killed by `kill`)."""
+        deadline = time.monotonic() + timeout_s
+        codes: list[int | None] = []
+        for node in self.nodes:
+            try:
+                code: int | None = node.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                code = None
+            codes.append(None if node.killed_at is not None else code)
+        return codes
+
+    def close(self) -> None:
+        """Kill every process any node started (and its output readers end)."""
+        for node in self.nodes:
+            if node.proc.poll() is None:
+                kill_run(node.proc.pid, node.token)
+            signal_all(marked(node.token), signal.SIGKILL)  # orphans that outlived an agent
+            node.proc.wait()
+            if node.reader is not None:
+                node.reader.join(timeout=5)
+
+
+def rank0_attempts(lines: Sequence[str]) -> list[dict[str, int]]:
+    """One ``{"world", "resumed_from"}`` per start of rank 0, in order (rank 0 belongs to
+    every attempt, whichever node it runs on)."""
+    out: list[dict[str, int]] = []
+    for line in lines:
+        if (m := _START.match(line)) is not None:
+            out.append({"world": int(m.group(1)), "resumed_from": -1})
+        elif (m := _RESUME.match(line)) is not None and out:
+            out[-1]["resumed_from"] = int(m.group(1) or 0)
+    return [a for a in out if a["resumed_from"] >= 0]  # an attempt that died before loading
+
+
+def trained_once(sample_log: str | os.PathLike[str], attempts: Sequence[dict[str, int]],
+                 samples: int) -> dict[str, Any]:  # fmt: skip
+    """The samples the final model was trained on, by epoch, from ``--sample-log`` files.
+
+    A killed attempt's steps after its last checkpoint are trained again by the next one, and
+    a rank that is gone leaves lines for steps the smaller world replayed. So step S counts as
+    trained by the last attempt that resumed before S (``attempts``, from `rank0_attempts`):
+    its world W says which files hold S's samples (ranks below W), and each of those files'
+    last line for S is that attempt's. Steps in order, ranks in order, give the sampler's
+    stream; its positions past ``samples`` are the tail padding of `refimpl.data`'s
+    ``tail="pad"`` (repeats that fill the epoch's last global batch), counted apart.
+
+    Returns ``{"epochs": {epoch: Counter(index)}, "padding": {epoch: n}, "ranks": {step: W}}``.
+    """
+    last: dict[int, dict[int, tuple[int, list[int]]]] = {}  # rank -> step -> (epoch, indices)
+    base = Path(sample_log)
+    for path in base.parent.glob(base.name + ".rank*"):
+        rank = int(path.name.rsplit("rank", 1)[1])
+        for line in path.read_text().splitlines():
+            step, epoch, *indices = map(int, line.split())
+            last.setdefault(rank, {})[step] = (epoch, indices)
+    streams: dict[int, list[int]] = {}
+    ranks: dict[int, int] = {}
+    for step in sorted({s for by_step in last.values() for s in by_step}):
+        world = [a["world"] for a in attempts if a["resumed_from"] < step][-1]
+        ranks[step] = world
+        for rank in range(world):
+            epoch, indices = last[rank][step]
+            streams.setdefault(epoch, []).extend(indices)
+    return {
+        "epochs": {e: Counter(s[:samples]) for e, s in streams.items()},
+        "padding": {e: len(s[samples:]) for e, s in streams.items()},
+        "ranks": ranks,
+    }
+
+
+def _excerpt(run: TwoNodes, keep: Sequence[str]) -> list[str]:
+    """``t=SECONDS node: line`` for the lines that contain one of ``keep``."""
+    return [f"t={t:5.1f}s {name}: {line.split('] ', 1)[-1] if line[:1] in 'IWE' else line}"
+            for t, name, line in run.lines() if any(k in line for k in keep)]  # fmt: skip
+
+
+AGENT_KEEP = ("attempts left", "new nodes", "as rank", "Worker group FAILED", "failed (exitcode")
+TRAINER_KEEP = ("[rank0] start", "[rank0] resumed", "[rank0] no checkpoint", "injected fault",
+                "[rank0] done", "[rank1] start")  # fmt: skip
+
+
+def fixed_restart(workdir: str | os.PathLike[str], train_args: Sequence[str], *,
+                  timeout_s: float = 120.0) -> dict[str, Any]:  # fmt: skip
+    """A fixed ``--nnodes=2`` job of two agents, run to its end (``train_args`` bring the
+    fault, e.g. ``--fail-at-step 7 --fail-rank 1``): exit codes, rank 0's attempts,
+    excerpts of the log and the seconds it took."""
+    work = Path(workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    with TwoNodes(work, train_args, nnodes="2") as run:
+        run.start("a", host=True)
+        run.start("b", host=False)
+        codes = run.wait(timeout_s)
+        seconds = time.monotonic() - run.t0
+    texts = [line for _, _, line in run.lines()]
+    return {"exit": codes, "attempts": rank0_attempts(texts), "seconds": round(seconds, 1),
+            "log": _excerpt(run, (*AGENT_KEEP, *TRAINER_KEEP)), "lines": texts}  # fmt: skip
+
+
+def _lose_and_regrow(run: TwoNodes, kill_after_step: int, regrow: bool, timeout_s: float,
+                     out: dict[str, Any]) -> None:  # fmt: skip
+    run.start("a", host=True)
+    b = run.start("b", host=False)
+    two = run.wait_for(r"^\[rank0\] start: world 2", timeout_s=timeout_s)
+    run.wait_for(rf"^\[rank0\] step {kill_after_step} loss", since=two, timeout_s=timeout_s)
+    killed = run.kill(b)
+    failed = run.wait_for("Worker group FAILED", since=killed, timeout_s=timeout_s)
+    one = run.wait_for(r"^\[rank0\] start: world 1", since=killed, timeout_s=timeout_s)
+    if regrow:  # now that the smaller world's workers run, a new node waits for a new round
+        run.start("b", host=False)
+        started = time.monotonic() - run.t0
+    alone = run.wait_for(r"^\[rank0\] step \d+ loss", since=one, timeout_s=timeout_s)
+    out["shrink"] = {"seen_s": round(failed - killed, 1), "worker_s": round(one - killed, 1),
+                     "step_s": round(alone - killed, 1)}  # fmt: skip
+    if regrow:
+        seen = run.wait_for("new nodes", since=started, timeout_s=timeout_s)
+        again = run.wait_for(r"^\[rank0\] start: world 2", since=started, timeout_s=timeout_s)
+        first = run.wait_for(r"^\[rank0\] step \d+ loss", since=again, timeout_s=timeout_s)
+        out["grow"] = {"seen_s": round(seen - started, 1), "worker_s": round(again - started, 1),
+                       "step_s": round(first - started, 1)}  # fmt: skip
+
+
+def elastic_loss(workdir: str | os.PathLike[str], train_args: Sequence[str], *,
+                 kill_after_step: int, regrow: bool = True,
+                 timeout_s: float = 120.0) -> dict[str, Any]:  # fmt: skip
+    """An elastic ``--nnodes=1:2`` job loses node ``b`` (agent and worker SIGKILLed) once
+    rank 0 has logged ``kill_after_step`` at world 2; with ``regrow``, ``b`` is started
+    again once the job trains alone. Returns exit codes, rank 0's attempts, the seconds from
+    the kill to the first step at world 1 (shrink) and from ``b``'s new start to the first
+    step at world 2 again (grow), and log excerpts."""
+    work = Path(workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    out: dict[str, Any] = {}
+    with TwoNodes(work, train_args, nnodes="1:2", share_store=not regrow) as run:
+        try:
+            _lose_and_regrow(run, kill_after_step, regrow, timeout_s, out)
+        except TimeoutError as e:  # said in the result, with the log so far
+            out["error"] = str(e)
+        out["exit"] = run.wait(5 if "error" in out else timeout_s)
+        out["seconds"] = round(time.monotonic() - run.t0, 1)
+    texts = [line for _, _, line in run.lines()]
+    keep = (*AGENT_KEEP, *TRAINER_KEEP, "[rank0] step")
+    return {**out, "attempts": rank0_attempts(texts), "log": _excerpt(run, keep), "lines": texts}
