@@ -270,8 +270,8 @@ def one_rank_group(scratch: Path) -> Iterator[None]:
     owned = not dist.is_initialized()
     if owned:
         scratch.mkdir(parents=True, exist_ok=True)
-        store = dist.FileStore(str(scratch / "one_rank_store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        store = (scratch / "one_rank_store").resolve()
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     try:
         yield
     finally:
