@@ -173,10 +173,11 @@ class AsyncSaver:
     ``AsyncCheckpointerType.THREAD``); there is no process mode. torch 2.13's
     ``AsyncCheckpointerType.PROCESS`` writes from a spawned daemon with an interpreter (and
     GIL) of its own, and ``python -m refimpl.bench save --sizes-mb`` measures it beside the
-    thread: on the book's 2-core machine it blocked training 1.3-2.5x longer than the
-    thread, took 1.1-1.25x longer to be durable, and made no consistent difference to the
-    training steps it overlapped (the daemon needs the same two cores; with either writer,
-    a step took 0.4-3.3x a step alone from run to run). Nor does it fit this class's
+    thread. On the book's 2-core machine (three runs at 256 MiB and 1 GiB) it blocked
+    training 0.9-2.5x as long as the thread, was durable 1.0-1.25x as late, and made no
+    consistent difference to the training steps it overlapped (faster in 4 of 6 pairs,
+    slower in 2: the daemon needs the same two cores, and with either writer a step took
+    0.4-3.3x a step alone from run to run). Nor does it fit this class's
     promises: the daemon is one per process, bound to the ranks of the first group that
     used it (a later saver on another group would write with the wrong peers); it joins a
     gloo world of its own with torch's 30-minute default timeout, not this saver's, and
