@@ -117,6 +117,7 @@ def state_round_trip(ckpt_dir: str) -> dict[str, Any]:
             state["step"] = 99
             torch.rand(5)
             saved["async_path"] = str(handle.result(timeout=60))
+            saved["pinned"] = saver.pinned_memory
             saver.close()
     try:
         save_sharded(Path(ckpt_dir) / "never", model, opt, 1, state={"seen": rank})

@@ -5,13 +5,17 @@ back equal to the state (a benchmark that timed a broken save would be worthless
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import _async_process_executor
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from refimpl.bench._save_overhead import METHODS, make_stager
+from refimpl.bench._save_overhead import METHODS, make_stager, one_rank_group
 from refimpl.bench.save import main
 
 
@@ -31,26 +35,47 @@ def test_overhead_benchmark_rows_ratios_and_plot(tmp_path: Path) -> None:
             assert r["blocking_s_median"] == r["total_s_median"]
     assert set(data["ratios"]) == {"2", "4"} and set(data["train_step"]) == {"2", "4"}
     assert data["train_step"]["2"]["steps_during_save"] >= 1
+    assert data["train_step"]["2"]["steps_during_process_save"] >= 1
+    for size, ratios in data["ratios"].items():  # thread vs process, side by side, per size
+        for name in (
+            "dcp_async_process blocking / floor_memcpy",
+            "dcp_async_process blocking / dcp_async_staged blocking",
+            "dcp_async_process total / dcp_async_staged total",
+            "train step during thread save / alone",
+            "train step during process save / alone",
+        ):
+            assert math.isfinite(ratios[name]) and ratios[name] > 0, (size, name)
+        steps = data["train_step"][size]
+        for kind in ("alone", "during_save", "during_process_save"):
+            lo, mid, hi = (steps[f"step_s_{s}_{kind}"] for s in ("min", "median", "max"))
+            assert 0 < lo <= mid <= hi, (size, kind)
+    # the benchmark's one-rank group and DCP's checkpoint daemon are gone afterwards
+    assert not dist.is_initialized()
+    assert _async_process_executor._CHECKPOINT_PROCESS is None
     assert set(data["goals_met"]["2"]) == set(data["goals"])
     assert (tmp_path / "save.png").stat().st_size > 0
     assert not (tmp_path / "_scratch").exists()
 
 
-def test_the_reused_stager_saves_the_values_of_each_call(tmp_path: Path) -> None:
+@pytest.mark.parametrize("process", [False, True], ids=["thread", "process"])
+def test_the_reused_stager_saves_the_values_of_each_call(tmp_path: Path, process: bool) -> None:
     """The staged async save reuses its buffers: each checkpoint holds the values at the
-    moment of its call, although training changed them while the write was in flight."""
+    moment of its call, although training changed them while the write was in flight; the
+    same through DCP's checkpoint daemon, which maps the shared-memory staging buffers."""
     from torch.distributed.checkpoint.state_dict_saver import async_save
 
-    stager = make_stager()
+    kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
+    stager = make_stager(shared=process)
     try:
-        for k in range(2):
-            state = {"w": torch.full((1000,), float(k))}
-            future = async_save(
-                {"model": state}, checkpoint_id=tmp_path / f"c{k}", no_dist=True,
-                async_stager=stager,
-            )  # fmt: skip
-            state["w"].add_(100)  # training moves on while the write is in flight
-            future.result()  # type: ignore[union-attr]
+        with one_rank_group(tmp_path / "pg"):
+            for k in range(2):
+                state = {"w": torch.full((1000,), float(k))}
+                future = async_save(
+                    {"model": state}, checkpoint_id=tmp_path / f"c{k}", no_dist=True,
+                    async_stager=stager, async_checkpointer_type=kind,
+                )  # fmt: skip
+                state["w"].add_(100)  # training moves on while the write is in flight
+                future.result()  # type: ignore[union-attr]
     finally:
         stager.close()
     for k in range(2):

@@ -98,6 +98,9 @@ def test_checkpoint_exception_is_a_base_exception_and_becomes_an_exception(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]  # no temp left
     with pytest.raises(RuntimeError, match="initialised process group"):
         AsyncSaver()  # background saves need ranks to talk to
+    if not torch.cuda.is_available():  # page-locking is a CUDA call: refused, not ignored
+        with pytest.raises(ValueError, match="pinned_memory=True needs CUDA"):
+            AsyncSaver(pinned_memory=True)
 
     def interrupted(self: FileSystemWriter, plan: object, planner: object) -> None:
         raise KeyboardInterrupt
@@ -239,6 +242,7 @@ def test_state_round_trips_sync_and_async_at_the_same_and_another_world_size(
         assert r["saved"]["async"]["step"] == 5 and r["saved"]["async_path"].endswith(
             "step_00000005"
         )
+        assert r["saved"]["pinned"] is torch.cuda.is_available()  # pinned only with CUDA
         assert "state entries ['seen'] differ between ranks" in r["loaded"]["differ"]
         assert "PerRank" in r["loaded"]["differ"] and r["loaded"]["never"] is False
         rngs.append(r["saved"]["sync"]["rng"])

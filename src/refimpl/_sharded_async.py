@@ -39,12 +39,12 @@ from refimpl._sharded_state import pack_checked
 
 
 class _ReusingStager(DefaultStager):
-    """DCP's ``DefaultStager``, copying in the calling thread (pinned buffers when CUDA is
-    there, no shared memory), that remembers where the staged tensors live."""
+    """DCP's ``DefaultStager``, copying in the calling thread (page-locked buffers if
+    ``pinned``, no shared memory), that remembers where the staged tensors live."""
 
-    def __init__(self) -> None:
-        pinned = torch.cuda.is_available()
+    def __init__(self, pinned: bool) -> None:
         super().__init__(StagingOptions(pinned, False, False, False))
+        self.pinned = pinned
         self.addresses: tuple[int, ...] = ()
         self.nbytes = 0
 
@@ -161,6 +161,28 @@ class AsyncSaver:
     Call it from the training thread only, and wait for the last save (``close``, `wait` or
     the handle's ``result``) before the process group is destroyed: a save still running
     then fails, and is never published.
+
+    ``pinned_memory`` chooses page-locked staging buffers, which CUDA copies into at full
+    speed and without staging through a bounce buffer: None (the default) pins them when
+    CUDA is available, True insists (and raises ``ValueError`` without CUDA: page-locking
+    needs the CUDA driver, and torch's stager would only warn and fall back), False never
+    pins (pinned memory cannot be swapped out: for a host short of RAM). On CPU-only
+    machines the buffers are ordinary memory either way.
+
+    The background write runs in a thread of this process (DCP's default,
+    ``AsyncCheckpointerType.THREAD``); there is no process mode. torch 2.13's
+    ``AsyncCheckpointerType.PROCESS`` writes from a spawned daemon with an interpreter (and
+    GIL) of its own, and ``python -m refimpl.bench save --sizes-mb`` measures it beside the
+    thread. On the book's 2-core machine (three runs at 256 MiB and 1 GiB) it blocked
+    training 0.9-2.5x as long as the thread, was durable 1.0-1.25x as late, and made no
+    consistent difference to the training steps it overlapped (faster in 4 of 6 pairs,
+    slower in 2: the daemon needs the same two cores, and with either writer a step took
+    0.4-3.3x a step alone from run to run). Nor does it fit this class's
+    promises: the daemon is one per process, bound to the ranks of the first group that
+    used it (a later saver on another group would write with the wrong peers); it joins a
+    gloo world of its own with torch's 30-minute default timeout, not this saver's, and
+    its caller waits for its answer with no timeout; and, being spawned, it re-imports the
+    training script, which then must guard its body with ``if __name__ == "__main__"``.
     """
 
     def __init__(
@@ -168,7 +190,13 @@ class AsyncSaver:
         process_group: torch.distributed.ProcessGroup | None = None,
         *,
         timeout_s: float | None = None,
+        pinned_memory: bool | None = None,
     ) -> None:
+        if pinned_memory and not torch.cuda.is_available():
+            raise ValueError(
+                "pinned_memory=True needs CUDA (page-locking is a CUDA driver call); pass "
+                "None to pin only where CUDA is available"
+            )
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "AsyncSaver needs an initialised process group (refimpl.launch.spawn or "
@@ -177,10 +205,16 @@ class AsyncSaver:
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
         timeout = _timeout_of(process_group) if timeout_s is None else timedelta(seconds=timeout_s)
         self._pg = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
-        self._stager = _ReusingStager()
+        pinned = torch.cuda.is_available() if pinned_memory is None else pinned_memory
+        self._stager = _ReusingStager(pinned)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="refimpl-async-save")
         self._pending: AsyncSaveHandle | None = None
         self._closed = False
+
+    @property
+    def pinned_memory(self) -> bool:
+        """Whether the staging buffers are page-locked (see the class docstring)."""
+        return self._stager.pinned
 
     @property
     def staging_addresses(self) -> tuple[int, ...]:

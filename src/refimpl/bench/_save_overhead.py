@@ -15,32 +15,48 @@ disk and fsynced). For a synchronous save they are equal.
   every save, then the write in a background thread;
 - ``dcp_async_staged``: ``dcp.async_save`` with one ``DefaultStager`` kept across saves, which
   reuses its staging buffers after the first save (pinned and shared memory off: there is no
-  GPU here).
+  GPU here);
+- ``dcp_async_process``: the same, with ``async_checkpointer_type=AsyncCheckpointerType.PROCESS``:
+  the write runs in DCP's checkpoint daemon (a spawned process with its own interpreter, so
+  no GIL shared with training) and the staging buffers are in shared memory, which the
+  daemon maps. The daemon is started by the cold round (``cold_*`` in its row).
 
-Beside them, training step time with and without a ``dcp_async_staged`` save in flight: the
-cost of the background write to the steps that overlap it (here, a thread and a disk shared
-with two CPU cores of compute). Everything runs in one process with no process group
-(``no_dist=True``): the chapters' multi-rank saves are measured in their notebooks.
+Beside them, training step time alone and with a staged save in flight, written by a thread
+(``dcp_async_staged``) and by the daemon (``dcp_async_process``): the cost of the background
+write to the steps that overlap it (here, on a disk and two CPU cores shared with compute).
+Saves use ``no_dist=True``, but the process checkpointer needs a process group to start its
+daemon, so the benchmark runs in a one-rank gloo group (`one_rank_group`); the chapters'
+multi-rank saves are measured in their notebooks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import _async_process_executor
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from refimpl.atomic import atomic_save
 from refimpl.bench import summarize
 
-__all__ = ["METHODS", "measure_size", "step_time_with_background_save"]
+__all__ = [
+    "METHODS",
+    "make_stager",
+    "measure_size",
+    "one_rank_group",
+    "step_time_with_background_save",
+]
 
 METHODS = (
     "floor_memcpy",
@@ -51,7 +67,9 @@ METHODS = (
     "dcp_sync",
     "dcp_async",
     "dcp_async_staged",
+    "dcp_async_process",
 )
+PROCESS = AsyncCheckpointerType.PROCESS
 Timed = Callable[[Path], tuple[float, float]]  # path -> (blocking seconds, total seconds)
 
 
@@ -73,7 +91,19 @@ def _sync(fn: Callable[[Path], object]) -> Timed:
     return timed
 
 
-def _methods(state: dict[str, torch.Tensor], stager: DefaultStager) -> dict[str, Timed]:
+def _start(
+    state: dict[str, torch.Tensor], path: Path, stager: DefaultStager | None, process: bool
+) -> Any:
+    """Start one ``dcp.async_save`` of ``state`` to ``path``; return its future."""
+    kwargs: dict[str, Any] = {} if stager is None else {"async_stager": stager}
+    if process:
+        kwargs["async_checkpointer_type"] = PROCESS
+    return dcp_async_save({"model": state}, checkpoint_id=path, no_dist=True, **kwargs)
+
+
+def _methods(
+    state: dict[str, torch.Tensor], stager: DefaultStager, shared: DefaultStager
+) -> dict[str, Timed]:
     buffers = {k: torch.empty_like(v) for k, v in state.items()}
     nbytes = sum(v.numel() * v.element_size() for v in state.values())
     blob = bytearray(os.urandom(1 << 20)) * (nbytes >> 20)  # incompressible, as tensors are
@@ -96,15 +126,10 @@ def _methods(state: dict[str, torch.Tensor], stager: DefaultStager) -> dict[str,
         torch.save(state, path)
         _fsync_file(path)
 
-    def async_timed(stager_for_call: DefaultStager | None) -> Timed:
+    def async_timed(stager_for_call: DefaultStager | None, process: bool = False) -> Timed:
         def timed(path: Path) -> tuple[float, float]:
             start = time.perf_counter()
-            kwargs: dict[str, Any] = (
-                {} if stager_for_call is None else {"async_stager": stager_for_call}
-            )
-            future: Any = dcp_async_save(
-                {"model": state}, checkpoint_id=path, no_dist=True, **kwargs
-            )
+            future = _start(state, path, stager_for_call, process)
             blocking = time.perf_counter() - start
             future.result()  # the background write, fsync included, is done
             return blocking, time.perf_counter() - start
@@ -120,6 +145,7 @@ def _methods(state: dict[str, torch.Tensor], stager: DefaultStager) -> dict[str,
         "dcp_sync": _sync(lambda p: dcp_save({"model": state}, checkpoint_id=p, no_dist=True)),
         "dcp_async": async_timed(None),
         "dcp_async_staged": async_timed(stager),
+        "dcp_async_process": async_timed(shared, process=True),
     }
 
 
@@ -130,11 +156,12 @@ def _clean(path: Path) -> None:
         path.unlink()
 
 
-def make_stager() -> DefaultStager:
-    """A stager for CPU tensors: synchronous copy into buffers it keeps for the next save."""
+def make_stager(shared: bool = False) -> DefaultStager:
+    """A stager for CPU tensors: synchronous copy into buffers it keeps for the next save;
+    ``shared``: the buffers are in shared memory (what the process checkpointer sends)."""
     options = StagingOptions(
         use_pinned_memory=False,
-        use_shared_memory=False,
+        use_shared_memory=shared,
         use_async_staging=False,
         use_non_blocking_copy=False,
     )
@@ -146,8 +173,8 @@ def measure_size(
 ) -> list[dict[str, Any]]:
     """One row per method for this state: blocking and total seconds (median, spread, cold)."""
     nbytes = sum(v.numel() * v.element_size() for v in state.values())
-    stager = make_stager()
-    todo = _methods(state, stager)
+    stager, shared = make_stager(), make_stager(shared=True)
+    todo = _methods(state, stager, shared)
     blocking: dict[str, list[float]] = {m: [] for m in todo}
     total: dict[str, list[float]] = {m: [] for m in todo}
     cold: dict[str, tuple[float, float]] = {}
@@ -166,6 +193,7 @@ def measure_size(
                     bar.update(1)
     finally:
         stager.close()
+        shared.close()
     rows = []
     for name in todo:
         b = summarize(blocking[name])
@@ -183,8 +211,9 @@ def measure_size(
 def step_time_with_background_save(
     state: dict[str, torch.Tensor], scratch: Path, steps: int = 30, width: int = 1024
 ) -> dict[str, float]:
-    """Median seconds per training step of a small MLP, alone and while a staged async save of
-    ``state`` is being written in the background (steps counted only while it is in flight)."""
+    """Seconds per training step of a small MLP (median, min, max): alone, and while a staged
+    async save of ``state`` is written in the background by a thread (``during_save``) and by
+    DCP's checkpoint daemon (``during_process_save``); steps counted only while in flight."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width)
@@ -202,26 +231,53 @@ def step_time_with_background_save(
     for _ in range(3):
         step()  # warm-up
     alone: list[float] = []
-    during: list[float] = []
-    stager = make_stager()
+    during: dict[str, list[float]] = {"during_save": [], "during_process_save": []}
+    stagers = {"during_save": make_stager(), "during_process_save": make_stager(shared=True)}
     try:
-        # Interleaved: steps alone, then steps while a save is in flight, three times over, so
-        # that load from elsewhere on a shared machine hits both kinds of step alike.
+        # Interleaved: steps alone, then steps while each kind of save is in flight, three
+        # times over, so that load from elsewhere on a shared machine hits every kind alike.
         for k in range(3):
-            alone += [step() for _ in range(steps // 3)]
-            path = scratch / f"inflight_{k}"
-            future: Any = dcp_async_save(
-                {"model": state}, checkpoint_id=path, no_dist=True, async_stager=stager
-            )
-            while not future.done():
-                during.append(step())
-            future.result()
-            _clean(path)
+            for kind, stager in stagers.items():
+                alone += [step() for _ in range(steps // 6)]
+                path = scratch / f"inflight_{kind}_{k}"
+                future = _start(state, path, stager, process=kind == "during_process_save")
+                while not future.done():
+                    during[kind].append(step())
+                future.result()
+                _clean(path)
     finally:
-        stager.close()
-    during = during or [float("nan")]
-    return {
-        "step_s_median_alone": summarize(alone)["median"],
-        "step_s_median_during_save": summarize(during)["median"],
-        "steps_during_save": float(len(during)),
-    }
+        for stager in stagers.values():
+            stager.close()
+    out: dict[str, float] = {}
+    for kind, samples in {"alone": alone, **during}.items():
+        summary = summarize(samples or [float("nan")])
+        for stat in ("median", "min", "max"):
+            out[f"step_s_{stat}_{kind}"] = summary[stat]
+        if kind != "alone":
+            out[f"steps_{kind}"] = float(len(samples))
+    return out
+
+
+@contextlib.contextmanager
+def one_rank_group(scratch: Path) -> Iterator[None]:
+    """A one-rank gloo process group for the benchmark's process checkpointer, unless one is
+    initialised already; on exit, DCP's checkpoint daemon is stopped and the group destroyed.
+
+    ``AsyncCheckpointerType.PROCESS`` reads ranks and broadcasts the daemon's address on a
+    process group even with ``no_dist=True`` (torch 2.13, ``_async_process_executor.py``),
+    and keeps its daemon in a module global for the life of the process: it is stopped
+    here (private API: a benchmark may reach in, the library does not)."""
+    owned = not dist.is_initialized()
+    if owned:
+        scratch.mkdir(parents=True, exist_ok=True)
+        store = (scratch / "one_rank_store").resolve()
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        daemon = getattr(_async_process_executor, "_CHECKPOINT_PROCESS", None)
+        if daemon is not None:
+            _async_process_executor._CHECKPOINT_PROCESS = None
+            daemon.__del__()  # asks the daemon to exit, SIGTERM after 5 s
+        if owned:
+            dist.destroy_process_group()
