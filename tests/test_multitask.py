@@ -21,7 +21,13 @@ def test_per_rank_choice_hangs_and_the_timeout_ends_it() -> None:
     res = spawn(mt.multitask_loop, 2, 8, pg_timeout_s=PG, timeout_s=40)
     assert time.monotonic() - start < 30  # ended by the 3 s group timeout, not the launcher
     assert len(res[0]["calls"]) != len(res[1]["calls"])  # one rank made an extra all-reduce
-    assert all("Timed out" in r["error"] for r in res)
+    # Every rank ends in an error, and at least one by its group timeout. The other may time
+    # out too, or, when the first one's exit tears the connection down before its own timer
+    # fires (seen under a loaded CI machine), report the peer closing it.
+    errors = [r["error"] or "" for r in res]
+    assert any("Timed out" in e for e in errors), errors
+    peer_gone = ("Timed out", "Connection closed by peer", "Connection reset by peer")
+    assert all(any(p in e for p in peer_gone) for e in errors), errors
     names = [[c["name"] for c in r["calls"]] for r in res]
     assert names[0][0] != names[1][0]  # and the pairing was wrong from the first call
     truth = mt.true_means(res)
