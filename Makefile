@@ -2,7 +2,7 @@
 #   make book   -> builds the HTML book into _build/html (makes .venv and installs what it needs)
 #   make test   -> lint, types, unit + multiprocess + fault-injection tests, nbval on every notebook
 #   make test-fast -> lint, types and the library's tests without the notebooks or the slow runs
-#   make lab    -> JupyterLab on notebooks/, on localhost, with the .venv kernel (prints the URL)
+#   make lab    -> JupyterLab on a working copy of notebooks/ (lab/), localhost, .venv kernel
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -40,10 +40,15 @@ $(LAB_STAMP): $(STAMP) requirements-lab.txt
 	touch $(LAB_STAMP)
 
 # Open the notebooks interactively: JupyterLab bound to localhost only, kernel = this .venv.
-# It prints the URL (with its login token) to open; Ctrl-C stops it.
+# It serves a working copy (LAB_DIR, ignored by git; tools/lab_workdir.py makes it), so that
+# running and autosaving a chapter never rewrites the committed notebooks. It prints the URL
+# (with its login token) to open; Ctrl-C stops it. LAB_ARGS passes more options to jupyter.
+LAB_DIR ?= lab
 lab: $(LAB_STAMP)
+	$(PY) tools/lab_workdir.py $(LAB_DIR)
 	$(VENV)/bin/jupyter lab --no-browser --ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) \
-		--ServerApp.root_dir=$(CURDIR)/notebooks $(if $(filter 0,$(shell id -u)),--ServerApp.allow_root=True)
+		--ServerApp.root_dir=$(abspath $(LAB_DIR)) $(if $(filter 0,$(shell id -u)),--ServerApp.allow_root=True) \
+		$(LAB_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests tools notebooks

@@ -8,15 +8,15 @@ cell with the kernel behind the page, and checks what matters live: chapter 3's
 checked output; the kernel's interrupt button stops every rank of a running demo at once; and
 no process survives the kernel's shutdown. Screenshots go to _build/screenshots/lab_*.png.
 
-JupyterLab works on a copy of the notebooks in a temporary directory, so its autosave never
-touches the committed (checked) notebooks.
+JupyterLab is started by `make lab` itself, which serves a working copy of the notebooks (here
+in a temporary directory): a test runs a chapter, saves it as autosave would, and checks that
+`git status` shows nothing new, i.e. a reader's run never dirties the repository.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -120,33 +120,57 @@ def _kernel_pid(kernel_id: str) -> int:
     raise AssertionError(f"no process found for kernel {kernel_id}")
 
 
+def _git_status() -> list[str]:
+    done = subprocess.run(
+        ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    return done.stdout.splitlines()
+
+
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def repo_status() -> list[str]:
+    """`git status --porcelain` before JupyterLab starts (empty on CI's clean clone)."""
+    status = _git_status()
+    if os.environ.get("CI"):
+        assert status == [], f"the repository is dirty before the browser test: {status}"
+    return status
+
+
+@pytest.fixture(scope="module")
+def lab_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The working copy `make lab` serves (LAB_DIR), in a temporary directory."""
+    return tmp_path_factory.mktemp("lab")
+
+
+@pytest.fixture(scope="module")
+def lab(lab_dir: Path, repo_status: list[str]) -> Iterator[str]:
+    """JupyterLab started by `make lab`, exactly the reader's command, on a free port."""
     if not JUPYTER.exists():
         pytest.fail("JupyterLab missing: `make browser-test` installs it", pytrace=False)
-    root = tmp_path_factory.mktemp("lab")
-    shutil.copytree(ROOT / "notebooks", root / "notebooks")
-    (root / "book").symlink_to(ROOT / "book")  # chapters read ../book/figures
+    root = lab_dir
     settings = root / ".settings"
     for name, values in SETTINGS.items():
         (settings / name).parent.mkdir(parents=True, exist_ok=True)
         (settings / name).write_text(json.dumps(values))
     port = _free_port()
+    extra = [
+        f"--IdentityProvider.token={TOKEN}",
+        f"--LabApp.user_settings_dir={settings}",
+        f"--LabApp.workspaces_dir={root / '.workspaces'}",  # no tabs restored from a past run
+        "--LabApp.expose_app_in_browser=True",
+        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+    ]
     server = subprocess.Popen(
         [
-            str(JUPYTER),
+            "make",
+            "--no-print-directory",
             "lab",
-            "--no-browser",
-            "--ServerApp.ip=127.0.0.1",
-            f"--ServerApp.port={port}",
-            f"--IdentityProvider.token={TOKEN}",
-            f"--ServerApp.root_dir={root}",
-            f"--LabApp.user_settings_dir={settings}",
-            f"--LabApp.workspaces_dir={root / '.workspaces'}",  # no tabs restored from a past run
-            "--ServerApp.allow_root=True",
-            "--LabApp.expose_app_in_browser=True",
-            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            f"VENV={Path(sys.executable).parents[1]}",
+            f"LAB_DIR={root}",
+            f"LAB_PORT={port}",
+            f"LAB_ARGS={' '.join(extra)}",
         ],
+        cwd=ROOT,
         stdout=open(root / "lab.log", "wb"),  # noqa: SIM115 (closed with the process)
         stderr=subprocess.STDOUT,
         start_new_session=True,  # its own process group: the teardown kills all of it
@@ -268,13 +292,26 @@ def test_chapter3_slider_redraws_the_bucket_figure_live(browser: Any, lab: str) 
 
 @pytest.mark.timeout(300)
 def test_chapter1_runs_live_interrupt_stops_every_rank_and_shutdown_leaves_no_process(
-    browser: Any, lab: str
+    browser: Any, lab: str, lab_dir: Path, repo_status: list[str]
 ) -> None:
     page = _open(browser, lab, CH1)
     _run_all(page)
     needle = "spawn(C.rank_info, 4)"
     assert _cell_text(page, needle) == _committed_text(CH1, needle)
     assert "NotSpawnableError" in _cell_text(page, "spawn(my_worker, 2)")
+
+    # Save, as autosave would: the run's outputs go to make lab's copy, never into the repo.
+    copy = lab_dir / "notebooks" / CH1
+    saved_before = copy.stat().st_mtime_ns
+    page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+    deadline = time.monotonic() + 30
+    while copy.stat().st_mtime_ns == saved_before:
+        assert time.monotonic() < deadline, f"JupyterLab did not save {copy}"
+        time.sleep(0.2)
+    assert _git_status() == repo_status, (
+        f"running and saving chapter 1 under make lab changed the repository: "
+        f"{sorted(set(_git_status()) - set(repo_status))}"
+    )
 
     kernel = _kernel_pid(page.evaluate(f"() => {KERNEL_JS}.id"))
     before = _descendants(kernel)  # the launcher's fork server, kept between spawns
