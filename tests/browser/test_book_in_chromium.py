@@ -11,6 +11,7 @@ import functools
 import http.server
 import re
 import threading
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -50,6 +51,42 @@ def _expected(doc: str) -> tuple[str, int, int]:
     return title, len(re.findall(r"!\[", text)), 0
 
 
+SIDEWAYS_JS = """() => {
+  const out = [];
+  for (const el of document.querySelectorAll(
+      'article pre, article div.highlight, article div.cell_output, article table')) {
+    if (el.scrollWidth > el.clientWidth + 1) {
+      out.push(`${el.scrollWidth}/${el.clientWidth} ${(el.innerText || '').slice(0, 50)}`);
+    }
+  }
+  return out;
+}"""
+UNCAPTIONED_JS = """() => Array.from(document.querySelectorAll('article div.cell_output img'))
+  .filter(img => !img.closest('.jupyter-widgets'))
+  .filter(img => !(img.getAttribute('alt') || '').trim()
+    || !(img.closest('figure')?.querySelector('figcaption')?.innerText || '').trim())
+  .map(img => (img.getAttribute('src') || '').slice(0, 60))"""
+LINKS_JS = """() => Array.from(document.querySelectorAll('article a[href]'))
+  .map(a => a.href).filter(h => h.startsWith(location.origin))"""
+
+
+@functools.cache
+def _ids(path: Path) -> frozenset[str]:
+    return frozenset(re.findall(r'\bid="([^"]+)"', path.read_text(errors="replace")))
+
+
+def _resolves(href: str) -> bool:
+    """Whether a link to this server names a built page (and an element on it, for #x)."""
+    url = urllib.parse.urlsplit(href)
+    target = HTML / urllib.parse.unquote(url.path).lstrip("/")
+    if target.is_dir():
+        target = target / "index.html"
+    if not target.is_file():
+        return False
+    fragment = urllib.parse.unquote(url.fragment)
+    return not fragment or target.suffix != ".html" or fragment in _ids(target)
+
+
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, format: str, *args: object) -> None:  # one line per file is noise
         pass
@@ -82,7 +119,7 @@ def browser():  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("doc", _toc_files())
 def test_page_renders_title_and_figures_without_errors(browser, base_url: str, doc: str) -> None:  # type: ignore[no-untyped-def]
     title, n_figures, n_widgets = _expected(doc)
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
     errors: list[str] = []
     page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
     page.on("pageerror", lambda e: errors.append(str(e)))
@@ -107,6 +144,18 @@ def test_page_renders_title_and_figures_without_errors(browser, base_url: str, d
         # Saved widget state is rendered by the vendored html-manager: the widgets must appear.
         page.wait_for_selector("article .jupyter-widgets", timeout=20_000)
         assert page.locator("article .jupyter-widgets").count() >= n_widgets, doc
+
+    # Nothing clipped: no code, output or table scrolls sideways at 1400 px.
+    sideways = page.evaluate(SIDEWAYS_JS)
+    assert not sideways, f"{doc}: blocks wider than the page (scroll/client px, text): {sideways}"
+
+    # Every link inside the book points at a page that exists, and at an anchor on it.
+    broken = [href for href in page.evaluate(LINKS_JS) if not _resolves(href)]
+    assert not broken, f"{doc}: links to nothing: {broken}"
+
+    # Every figure a cell draws is a numbered figure with a caption and alt text.
+    bare = page.evaluate(UNCAPTIONED_JS)
+    assert not bare, f"{doc}: output images without a caption or alt text: {bare}"
 
     body = page.locator("article").inner_text()
     assert "Traceback (most recent call last)" not in body, f"{doc}: a Python traceback shows"
