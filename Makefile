@@ -2,6 +2,7 @@
 #   make book   -> builds the HTML book into _build/html (makes .venv and installs what it needs)
 #   make test   -> lint, types, unit + multiprocess + fault-injection tests, nbval on every notebook
 #   make test-fast -> lint, types and the library's tests without the notebooks or the slow runs
+#   make chapter N=06 -> one chapter, re-run and compared as CI does
 #   make lab    -> JupyterLab on a working copy of notebooks/ (lab/), localhost, .venv kernel
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -23,7 +24,7 @@ export PYTHONHASHSEED := 0
 # Notebooks show figures through the inline backend; an inherited MPLBACKEND=Agg hides them.
 unexport MPLBACKEND
 
-.PHONY: venv test test-fast lint book browser-test lab notebooks clean
+.PHONY: venv test test-fast lint book browser-test lab notebooks clean chapter
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,11 +53,16 @@ lab: $(LAB_STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests tools notebooks
-	$(VENV)/bin/ruff format --check src tests tools
+	$(VENV)/bin/ruff format --check src tests tools notebooks
 	$(VENV)/bin/mypy
 
 test: lint
 	$(PY) -m pytest notebooks tests $(NBVAL) --ignore=tests/browser $(PARALLEL) --durations=15
+
+# One chapter, checked as CI checks it (nbval re-runs it and compares every output): make chapter N=06
+chapter: $(STAMP)
+	@test -n "$(N)" || { echo "usage: make chapter N=06 (the chapter's number)"; exit 2; }
+	$(PY) -m pytest notebooks/$(N)_*.ipynb $(NBVAL) -p no:cacheprovider -q
 
 # The inner loop while changing src/refimpl: everything but the notebooks, the browser and the
 # tests marked slow (whole torchrun jobs, benchmarks); make test runs those too.
