@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import nbformat
+import pytest
 import yaml
 
 import refimpl
@@ -242,3 +243,102 @@ def test_the_glossary_points_back_to_the_chapters() -> None:
     assert "```{glossary}" in glossary, "{term} roles need a Sphinx glossary"
     assert not re.search(r"\(ch\. \d", glossary), "a plain-text (ch. N) pointer is left"
     assert len(re.findall(r"\]\(\.\./notebooks/\d\d_\w+\.ipynb\)", glossary)) >= 20
+
+
+CHAPTERS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+def _headings(cells: list[nbformat.NotebookNode]) -> list[str]:
+    return [
+        line
+        for c in cells
+        if c.cell_type == "markdown"
+        for line in c.source.splitlines()
+        if line.startswith("## ")
+    ]
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem[:2])
+def test_the_chapter_ends_with_a_summary_then_exercises_with_folded_answers(path: Path) -> None:
+    """Summary (3-6 bullets), then Exercises (3-5 tasks, answers folded), then the Next link."""
+    cells = nbformat.read(path, as_version=4).cells
+    heads = _headings(cells)
+    assert heads[-2:] == ["## Summary", "## Exercises"], f"{path.name} ends with {heads[-2:]}"
+    text = "\n".join(c.source for c in cells if c.cell_type == "markdown")
+    summary = text[text.index("\n## Summary") : text.index("\n## Exercises")]
+    bullets = re.findall(r"^- ", summary, re.MULTILINE)
+    assert 3 <= len(bullets) <= 6, f"{path.name}: {len(bullets)} summary bullets"
+    exercises = text[text.index("\n## Exercises") :]
+    tasks = re.findall(r"^\d+\. ", exercises.split("```")[0], re.MULTILINE)
+    assert 3 <= len(tasks) <= 5, f"{path.name}: {len(tasks)} exercises"
+    assert re.search(r":class: dropdown", exercises), f"{path.name}: answers are not folded"
+
+
+_RUN_BOX = re.compile(r"```\{admonition\} Run this chapter\n(?:.*\n)*?```", re.MULTILINE)
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem[:2])
+def test_the_chapter_opens_with_a_run_this_chapter_box(path: Path) -> None:
+    """The command, what it needs and how long it takes, before the first section."""
+    cells = nbformat.read(path, as_version=4).cells
+    first_section = next(
+        i for i, c in enumerate(cells) if c.cell_type == "markdown" and "\n## " in "\n" + c.source
+    )
+    opening = "\n".join(c.source for c in cells[: first_section + 1] if c.cell_type == "markdown")
+    box = _RUN_BOX.search(opening)
+    assert box, f"{path.name}: no 'Run this chapter' box before its first section"
+    for needed in ("make lab", f"make chapter N={path.name[:2]}", "2-core", "GPU"):
+        assert needed in box.group(0), f"{path.name}: the run box does not say {needed!r}"
+
+
+def _figure_cells(path: Path) -> list[tuple[int, nbformat.NotebookNode]]:
+    cells = nbformat.read(path, as_version=4).cells
+    return [
+        (i, c)
+        for i, c in enumerate(cells)
+        if c.cell_type == "code"
+        and any(
+            "image/png" in o.get("data", {}) or "image/svg+xml" in o.get("data", {})
+            for o in c.outputs
+        )
+    ]
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem[:2])
+def test_every_figure_has_a_caption_and_alt_text(path: Path) -> None:
+    """MyST-NB turns a plot cell's mystnb.figure (caption, name) and mystnb.image.alt into a
+    numbered figure with alt text; the alt text describes the picture, the caption reads it."""
+    for i, cell in _figure_cells(path):
+        meta = cell.metadata.get("mystnb", {})
+        caption = meta.get("figure", {}).get("caption", "")
+        alt = meta.get("image", {}).get("alt", "")
+        name = meta.get("figure", {}).get("name", "")
+        assert len(caption) > 20 and len(alt) > 20, f"{path.name} cell {i}: caption/alt"
+        assert caption != alt, f"{path.name} cell {i}: the alt text repeats the caption"
+        assert re.fullmatch(r"fig-ch\d\d-[a-z0-9-]+", name), f"{path.name} cell {i}: {name!r}"
+        assert name.startswith(f"fig-ch{path.name[:2]}-"), f"{path.name} cell {i}: {name!r}"
+
+
+def test_figure_names_are_unique_across_the_book() -> None:
+    names = [
+        c.metadata.get("mystnb", {}).get("figure", {}).get("name", "")
+        for path in CHAPTERS
+        for _, c in _figure_cells(path)
+    ]
+    names = [n for n in names if n]
+    assert len(set(names)) == len(names), sorted(n for n in names if names.count(n) > 1)
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem[:2])
+def test_no_printed_line_is_wider_than_100_columns(path: Path) -> None:
+    """Long messages are wrapped where they are printed; the book's CSS wrap is a fallback."""
+    wide = []
+    for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
+        for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            text = out.get("text", "") or out.get("data", {}).get("text/plain", "")
+            wide += [
+                f"cell {i}: {line[:60]!r}... ({len(line)})"
+                for line in "".join(text).splitlines()
+                if len(line) > 100
+            ]
+    assert not wide, f"{path.name}: {len(wide)} lines: {wide[:10]}"
