@@ -1,0 +1,66 @@
+"""refimpl.demos.slider_figure: every grid point is drawn once, the sliders start where asked,
+and each slider is linked in the browser to the stacks it drives (no Python callback)."""
+
+from __future__ import annotations
+
+import pytest
+
+from refimpl.demos.slider_figure import png_of, slider_figure
+
+
+def _fake_png(**values: float) -> bytes:
+    return repr(sorted(values.items())).encode()
+
+
+def test_one_slider_selects_among_its_pictures_in_the_browser() -> None:
+    box = slider_figure(_fake_png, {"cap": [1.0, 5.0, 25.0]}, value={"cap": 25.0}, note=None)
+    slider, stack = box.children
+    assert [label for label, _ in slider.options] == ["1", "5", "25"]
+    assert slider.index == 2 and stack.selected_index == 2
+    assert [img.value for img in stack.children] == [_fake_png(cap=v) for v in (1.0, 5.0, 25.0)]
+    assert [(link.source, link.target) for link in box.links] == [
+        ((slider, "index"), (stack, "selected_index"))
+    ]
+
+
+def test_two_sliders_nest_stacks_and_the_second_drives_every_inner_stack() -> None:
+    box = slider_figure(_fake_png, {"a": [1, 2], "b": [10, 20, 30]}, value={"b": 20})
+    first, second, outer, note = box.children
+    assert "make lab" in note.value
+    assert outer.selected_index == 0 and len(outer.children) == 2
+    for a, inner in zip([1, 2], outer.children, strict=True):
+        assert inner.selected_index == 1
+        assert [img.value for img in inner.children] == [_fake_png(a=a, b=b) for b in (10, 20, 30)]
+    pairs = [(link.source[0], link.target[0]) for link in box.links]
+    assert (first, outer) in pairs
+    assert all((second, inner) in pairs for inner in outer.children)
+    assert len(pairs) == 3
+    assert all(k.source[1] == "index" and k.target[1] == "selected_index" for k in box.links)
+
+
+def test_a_grid_too_large_or_empty_is_refused_before_drawing() -> None:
+    drawn: list[dict[str, float]] = []
+
+    def render(**values: float) -> bytes:
+        drawn.append(values)
+        return b""
+
+    with pytest.raises(ValueError, match="max_pictures=40"):
+        slider_figure(render, {"a": range(7), "b": range(7)})
+    with pytest.raises(ValueError, match="at least one value"):
+        slider_figure(render, {"a": []})
+    with pytest.raises(ValueError, match="one or two sliders"):
+        slider_figure(render, {"a": [1], "b": [1], "c": [1]})
+    assert drawn == []
+
+
+def test_png_of_returns_a_png_and_closes_the_figure() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1])
+    data = png_of(fig)
+    assert data.startswith(b"\x89PNG") and not plt.get_fignums()
