@@ -66,12 +66,15 @@ def chaos_toy(
     work: str | os.PathLike[str] | None = None,
     env: dict[str, str] | None = None,
     jobs: int = 1,
+    reference: str | os.PathLike[str] | None = None,
 ) -> list[ChaosRow]:
     """The kill test on a `refimpl.demos.chaos_trainers` variant (``ok``, ``no-rng``,
     ``no-sampler``): kills at ``step 6``, rank 0 at ``saving step 12``; ``env`` is added to
-    the command's environment; ``jobs`` scenarios run side by side. Neither trainer needs
-    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``: both call `refimpl.launch.init_from_env`, which
-    scopes each attempt's keys."""
+    the command's environment; ``jobs`` scenarios run side by side. The variants differ only in
+    what a resume restores, so their uninterrupted runs are the same run: one variant's
+    reference (``reference``, as in `refimpl.chaos.run_chaos`) serves them all. Neither
+    trainer needs ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``: both call
+    `refimpl.launch.init_from_env`, which scopes each attempt's keys."""
     return run_chaos(toy_command(variant), kill_on=r"^step 6 loss", save_on=r"^saving step 12",
                      compare="final.pt", scenarios=scenarios, timeout_s=timeout_s, work=work,
-                     env=env, jobs=jobs)  # fmt: skip
+                     env=env, jobs=jobs, reference=reference)  # fmt: skip
