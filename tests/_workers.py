@@ -163,3 +163,13 @@ def start_escaping_grandchild_then_fail(pid_dir: str) -> None:
 
 def scaled_rank(scale: int, *, offset: int = 0) -> int:
     return dist.get_rank() * scale + offset
+
+
+def resave_forever(ckpt_dir: str, started: str) -> None:
+    """Re-save step 3 (a new 8 MB state) back to back until killed; touch ``started`` first."""
+    from refimpl.checkpoint import save_checkpoint
+    from refimpl.demos.faults import make_state
+
+    Path(started).touch()
+    while True:
+        save_checkpoint(ckpt_dir, make_state(4, 1 << 21), 3)
