@@ -173,3 +173,24 @@ def resave_forever(ckpt_dir: str, started: str) -> None:
     Path(started).touch()
     while True:
         save_checkpoint(ckpt_dir, make_state(4, 1 << 21), 3)
+
+
+def restarted_attempt(env: dict[str, str], delay_s: float, result: str) -> None:
+    """One worker of a torchrun attempt (the env torchrun gives it): init_from_env, one
+    all-reduce, the sum (or the error) written to ``result``, then ``os._exit`` without
+    tearing the group down, as a killed worker leaves it."""
+    import traceback
+
+    os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    os.environ.update(env)
+    time.sleep(delay_s)
+    try:
+        from refimpl.launch import init_from_env
+
+        init_from_env("gloo", timeout_s=8)
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        Path(result).write_text(str(int(t.item())))
+    except BaseException:
+        Path(result).write_text(traceback.format_exc())
+    os._exit(0)
