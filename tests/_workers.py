@@ -194,3 +194,15 @@ def restarted_attempt(env: dict[str, str], delay_s: float, result: str) -> None:
     except BaseException:
         Path(result).write_text(traceback.format_exc())
     os._exit(0)
+
+
+def modules_imported_by_ddp() -> tuple[bool, list[str]]:
+    """Whether torch._dynamo was imported before this rank wrapped a model in DDP, and the
+    torch._dynamo / sympy modules wrapping it imported (none when the fork server had them)."""
+    import sys
+
+    had_dynamo = "torch._dynamo" in sys.modules
+    before = set(sys.modules)
+    torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+    new = sorted(m for m in set(sys.modules) - before if m.startswith(("torch._dynamo", "sympy")))
+    return had_dynamo, new

@@ -508,11 +508,18 @@ def test_fork_server_preloads_dcp_only_where_this_process_uses_it(
 
     from refimpl.launch import _forkserver_preload
 
-    assert _forkserver_preload() == ["torch", "torch.distributed", "torch.distributed.checkpoint",
+    base = ["torch", "torch.distributed", "torch._dynamo"]
+    assert _forkserver_preload() == [*base, "torch.distributed.checkpoint",
                                      "torch.distributed.fsdp", "refimpl._rank_process"]  # fmt: skip
     for name in ("torch.distributed.checkpoint", "torch.distributed.fsdp"):
         monkeypatch.delitem(sys.modules, name)  # a chapter that never shards
-    assert _forkserver_preload() == ["torch", "torch.distributed", "refimpl._rank_process"]
+    assert _forkserver_preload() == [*base, "refimpl._rank_process"]
+
+
+def test_a_rank_finds_what_ddp_imports_already_imported() -> None:
+    """DistributedDataParallel's constructor imports torch._dynamo (torch 2.13): a rank forked
+    from the server has it, and wrapping a model imports nothing heavy again."""
+    assert spawn(_workers.modules_imported_by_ddp, 2, timeout_s=60) == [(True, [])] * 2
 
 
 # --- Issue 25 item 2: a torchrun worker whose agent is gone does not train on alone ----------
