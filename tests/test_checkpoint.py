@@ -538,22 +538,28 @@ def test_a_format_1_checkpoint_with_sha256_digests_still_loads(tmp_path: Path) -
 
 
 def _cli(*args: str) -> tuple[int, str]:
+    """``python -m refimpl.checkpoint ARGS`` in this process: its exit status and output."""
+    import contextlib
+    import io
+
+    from refimpl._checkpoint_cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = main(list(args))
+    return code, out.getvalue()
+
+
+def test_cli_list_verify_inspect_on_good_and_corrupted_checkpoints(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    done = subprocess.run(
-        [sys.executable, "-m", "refimpl.checkpoint", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    return done.returncode, done.stdout + done.stderr
-
-
-@pytest.mark.slow
-def test_cli_list_verify_inspect_on_good_and_corrupted_checkpoints(tmp_path: Path) -> None:
     for step in (100, 200):
         save_checkpoint(tmp_path, {"model": {"w": torch.ones(64, 32)}, "optim": {"s": step}}, step)
+    # Once as a reader types it; the other calls run the same main() in this process.
+    done = subprocess.run([sys.executable, "-m", "refimpl.checkpoint", "list", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert (done.returncode, done.stdout + done.stderr) == _cli("list", str(tmp_path))
     code, out = _cli("list", str(tmp_path))
     assert code == 0 and out.count("verified") == 2, out
     code, out = _cli("inspect", str(tmp_path / "step_00000200"))
