@@ -7,6 +7,10 @@ neither core sits idle while the other finishes a two-minute file (the longest-f
 scheduling jobs on identical machines). Without this, pytest-xdist orders files by their number
 of tests, which puts files of a few long torchrun jobs last.
 
+It also checks that a run leaves the repository as it found it: a chapter that writes a figure
+into ``book/`` or a test that leaves a file behind fails the run (a reader's run must never
+dirty the clone; ``git status --porcelain`` is compared before and after).
+
 ``_SECONDS`` is what each file took in one ``make test`` on the 2-core machine (``--durations``),
 rounded; a file not listed counts as ``_DEFAULT``. A stale entry only costs balance, never
 correctness: refresh it when a file's time changes by much.
@@ -14,7 +18,12 @@ correctness: refresh it when a file's time changes by much.
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
 
 _DEFAULT = 5
 _SECONDS = {
@@ -69,3 +78,40 @@ def expected_seconds(nodeid: str) -> int:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # A stable sort: the tests (cells) of one file keep their order.
     items.sort(key=lambda item: -expected_seconds(item.nodeid))
+
+
+def _git_status() -> set[str] | None:
+    try:
+        done = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=all"],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return set(done.stdout.splitlines()) if done.returncode == 0 else None  # not a clone: skip
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist)
+        session.config.stash[_STATUS] = _git_status()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    before = session.config.stash.get(_STATUS, None)
+    if before is None or hasattr(session.config, "workerinput"):
+        return
+    after = _git_status()
+    new = sorted((after or set()) - before)
+    if new:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = (
+            "the run changed the repository (chapters and tests must write under a temporary "
+            "directory):\n" + "\n".join(f"  {line}" for line in new)
+        )
+        if reporter is not None:
+            reporter.write_line("")
+            reporter.write_line(message, red=True, bold=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_STATUS = pytest.StashKey[set[str] | None]()
