@@ -12,7 +12,6 @@ from refimpl.demos.loader_state import (
     ShardedStream,
     augment_resume,
     loader_stop_resume,
-    sample_seed,
     stateful_dataloader_resume,
     stream_resume,
     worker_seeds,
@@ -86,12 +85,10 @@ def test_per_sample_seeded_augmentation_survives_any_resume(loader: str) -> None
     assert augment_resume("sample_seed", stop_after=4)["resumed"] is not None
 
 
-def test_sample_seed_depends_on_seed_epoch_and_index_only() -> None:
-    assert sample_seed(7, 0, 5) == sample_seed(7, 0, 5)
-    assert len({sample_seed(7, 0, 5), sample_seed(7, 1, 5), sample_seed(8, 0, 5)}) == 3
-    assert 0 <= sample_seed(7, 0, 5) < 2**64
+def test_noisy_samples_with_a_seed_draw_per_sample_not_per_worker() -> None:
     a, b = NoisySamples(10, seed=7), NoisySamples(10, seed=7, epoch=1)
     assert a[3][:2] == NoisySamples(10, seed=7)[3][:2] and a[3][1] != b[3][1]
+    assert NoisySamples(10)[3][2] == -1  # no worker: the main process
 
 
 @pytest.mark.parametrize("stop_after", [3, 4])

@@ -10,14 +10,13 @@ Three things live in the loader and its worker processes, not in the trainer's v
   (``base_seed + worker_id``, ``base_seed`` drawn from the main process's torch RNG when the
   iterator is created); `augment_resume` stops and resumes an epoch whose samples carry
   random "augmentation" noise, drawn either from the worker's RNG or from a generator seeded
-  by (seed, epoch, sample index) with `sample_seed`.
+  by (seed, epoch, sample index) with `refimpl.data.sample_seed`.
 - **A stream's position.** `stream_resume` does the same for an ``IterableDataset`` read by
   several workers, where the position is one count per worker plus which worker is next.
 """
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from collections.abc import Iterator
 from typing import Any, Literal, cast
@@ -31,7 +30,7 @@ from torch.utils.data import (
     get_worker_info,
 )
 
-from refimpl.data import ResumableSampler
+from refimpl.data import ResumableSampler, sample_seed
 from refimpl.demos.resume import Draws, count_lost_repeated
 
 
@@ -167,19 +166,12 @@ def worker_seeds(num_workers: int = 2, seed: int = 0) -> dict[str, Any]:
     return {"expected_base_seed": expected, "workers": workers, "advances": advances}
 
 
-def sample_seed(seed: int, epoch: int, index: int) -> int:
-    """A 64-bit seed for one sample's randomness, a fixed function of (seed, epoch, index):
-    the same whichever worker, rank or world size draws the sample, and after any resume."""
-    digest = hashlib.blake2b(f"{seed}/{epoch}/{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
-
-
 class NoisySamples(Dataset[tuple[int, int, int]]):
     """Sample i -> (i, an "augmentation" draw in [0, 10**6), the worker id or -1).
 
     With ``seed=None`` the draw comes from the worker process's torch RNG, as
     ``torch.rand`` in a transform does; otherwise from a generator seeded with
-    `sample_seed` ``(seed, epoch, i)``."""
+    `refimpl.data.sample_seed` ``(seed, epoch, i)``."""
 
     def __init__(self, n: int, seed: int | None = None, epoch: int = 0) -> None:
         self.n, self.seed, self.epoch = n, seed, epoch
