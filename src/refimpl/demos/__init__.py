@@ -19,6 +19,8 @@ with the chapters that use them.
 - `refimpl.demos.faults`: the kill-the-saver harness behind chapter 5
   (``python -m refimpl.demos.faults --kills 500``); `refimpl.demos.io_faults`: its injected
   I/O errors, flipped bits and object-store renames
+- `refimpl.demos.resume`: chapter 6's lost/repeated counts and resume-equivalence runs;
+  `refimpl.demos.loader_state`: what a `DataLoader` holds (position, worker seeds, streams)
 - `refimpl.demos.slider_figure`: figures with sliders drawn in advance for a grid of values,
   linked in the browser, so they work in the HTML book as well as in JupyterLab
 """
