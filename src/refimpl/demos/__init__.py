@@ -8,6 +8,9 @@ with the chapters that use them.
   runs the MiniDDP-vs-DDP parity check); `refimpl.demos.ddp_details`: chapter 2's details
   (buffers, ``no_sync``, ``Join``, the bucket rebuild); `refimpl.demos.buckets`: chapter 3's
   timelines and compression hooks
+- `refimpl.demos.collectives`: chapter 1's exercise (a ring of blocking sends);
+  `refimpl.demos.ddp_views`: chapter 2's hook-trace figure; `refimpl.demos.ddp_exercises`:
+  chapter 2's exercises (no broadcast, ``no_sync`` on one rank)
 - `refimpl.demos.sync`: the workers and timelines of chapter 4; `refimpl.demos.hangs`: its
   hang toolbox
 - `refimpl.demos.sharded`, `refimpl.demos.sharded_runs`, `refimpl.demos.dcp_pitfalls`: chapters 8-9;
