@@ -135,8 +135,8 @@ def rpc_plumbing(timeout_s: float = 20.0) -> list[str]:
             seen = [
                 f"agent: {type(agent).__name__}; its store: {type(store).__name__} over the "
                 f"{type(store.underlying_store).__name__} of init_method",
-                f"store keys once the gloo group existed: {keys_then}",
-                f"keys the agent added: {added}",
+                f"store keys once the gloo group existed: {', '.join(keys_then)}",
+                f"keys the agent added: {', '.join(added)}",
                 f"addrs/worker1 = {address}:<port> (a TensorPipe listener)",
                 f"gloo groups init_rpc made: {[type(g).__name__ for g in made]}",
                 f"still referenced by torch once init_rpc returned: {sys.getrefcount(made[0]) > 2}",
