@@ -126,6 +126,8 @@ def test_traced_timeline_has_a_completion_for_every_launch(tmp_path: Path) -> No
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     from refimpl.buckets import draw_timeline
 
     for impl in ("mini", "naive"):
@@ -133,7 +135,9 @@ def test_traced_timeline_has_a_completion_for_every_launch(tmp_path: Path) -> No
         kinds = [k for _, k, _ in trace["events"]]
         assert kinds.count("launch") == kinds.count("done") == len(trace["buckets"]), impl
         assert kinds.count("grad") == len(trace["names"])
-        draw_timeline(trace).figure.savefig(tmp_path / f"{impl}.png")
+        figure = draw_timeline(trace).figure
+        figure.savefig(tmp_path / f"{impl}.png")
+        plt.close(figure)  # later tests in this process count the open figures
 
 
 def test_fp16_hook_halves_bytes_with_bounded_error() -> None:
