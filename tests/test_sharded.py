@@ -148,6 +148,9 @@ def test_load_falls_back_past_damaged_steps_and_says_why(tmp_path: Path) -> None
     # A step directory named explicitly is loaded or refused, never swapped for another.
     with pytest.raises(ShardedCheckpointError, match="xxh3_128"):
         load_sharded(tmp_path / "step_00000004", target, target_opt)
+    with pytest.raises(ShardedCheckpointError, match="Pass the checkpoint directory") as info:
+        load_sharded(tmp_path / "step_00000002", target, target_opt)
+    assert str(info.value).count("step_00000002") == 1, str(info.value)  # named once
     assert load_sharded(tmp_path / "step_00000001", target) == 1  # model only
     with pytest.raises(ShardedCheckpointError, match="does not exist"):
         load_sharded(tmp_path / "nothing_here", target)

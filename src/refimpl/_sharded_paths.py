@@ -68,8 +68,9 @@ def choose_step(path: Path, below: int | None = None) -> Choice:
         seen: dict[str, Seen] = {}
         try:
             manifest = verify_step(path, seen)
-        except CheckpointError as exc:
-            return _fatal(f"{exc}. Pass the checkpoint directory to fall back", single=True)
+        except CheckpointError as exc:  # the error names the step: say it once
+            reason = exc.reason if exc.path == path else str(exc)
+            return _fatal(f"{reason}. Pass the checkpoint directory to fall back", single=True)
         return (
             int(manifest["step"]),
             str(path),
