@@ -131,8 +131,8 @@ def draw(result: dict[str, Any], ax: Any) -> None:
     refimpl's ranged reads and for DCP's per-item path, with the goal as a line."""
     names = list(result["ratios"])
     series = (
-        ("now: needed rows only, no second hash", result["ratios"], "tab:blue"),
-        ("before: whole chunks, every file hashed", result["dcp_reader_ratios"], "tab:gray"),
+        ("now: needed rows, no second hash", result["ratios"], "tab:blue"),
+        ("before: whole chunks, all files hashed", result["dcp_reader_ratios"], "tab:gray"),
     )
     for i, (label, ratios, color) in enumerate(series):
         ys = [ratios[n]["median"] for n in names]
@@ -146,7 +146,7 @@ def draw(result: dict[str, Any], ax: Any) -> None:
     ax.set_xticks(range(len(names)), [s.replace(" / ", " vs ") for s in short], fontsize=9)
     ax.set_xlabel("saved at A vs saved at W, loaded at W ranks (@W)", fontsize=10)
     ax.set_ylabel("throughput ratio\n(resharded / same size)", fontsize=10)
-    ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=2)
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -156,11 +156,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 3.6))
+    fig, ax = plt.subplots(figsize=(7, 4))
     draw(result, ax)
     ax.set_title(f"load_sharded of {result['size_mb']} MiB, resharded vs same world size")
     fig.tight_layout()
-    fig.savefig(path, dpi=150)
+    fig.savefig(path, dpi=150, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -135,8 +135,7 @@ def resharding_demo(
         step, _r, dm, do = out[0]
         lines.append(
             f"loaded at {world} rank{'s' if world > 1 else ''}: step {step}, "
-            f"rows per rank {[r[1] for r in out]}, "
-            f"max |diff| vs unsharded: model {dm:g}, optimizer {do:g}"
+            f"rows per rank {[r[1] for r in out]}; max |diff|: model {dm:g}, optimizer {do:g}"
         )
     return lines
 
