@@ -156,3 +156,14 @@ def rank0_arrives_late(late_s: float) -> str:
     except CollectiveMismatch as exc:
         return str(exc)
     return "no error"
+
+
+def store_keys_after_agreeing_calls(n: int) -> list[str]:
+    """``n`` guarded calls that agree; then the guard's keys found in the store (none)."""
+    guard = CollectiveGuard(timeout_s=5.0)
+    for i in range(n):
+        guard.all_reduce(torch.ones(2), name=f"metric/{i}")
+    guard.barrier(name="done")
+    store = dist.distributed_c10d._get_default_store()
+    keys = [f"{guard._key}/{r}" for r in range(dist.get_world_size())]
+    return [k for k in keys if store.check([k])]

@@ -7,13 +7,17 @@ tensors happen to match in shape and dtype, returns wrong numbers with no error 
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` catches the first kind (it compares op, shape and dtype)
 but not the second: it has no idea what a tensor *means*.
 
-`CollectiveGuard` gives every collective a ``name``. Before each call the ranks all-gather a
-small fixed-size fingerprint (sequence number, op, name, shape, dtype) with one all-reduce
-(MAX of the fingerprint and of its negation: equal everywhere iff max == min); if they differ, every
-rank raises `CollectiveMismatch` naming what each rank was calling, so the job stops at the
-first divergent call instead of hanging or averaging the wrong metric. If the fingerprint
-exchange itself times out (a rank skipped the call, or is stuck elsewhere), the error names
-each rank's last guarded call, which each rank leaves in the process group's store.
+`CollectiveGuard` gives every collective a ``name``. Before each call the ranks exchange a
+fixed-size fingerprint (sequence number, op, name, shape, dtype: 32 int64) with one
+all-gather in a gloo group of the guard's own; every rank then holds every rank's call, and
+if they differ every rank raises `CollectiveMismatch` naming what each rank was calling, so
+the job stops at the first divergent call instead of hanging or averaging the wrong metric.
+That is one small extra collective per guarded call and nothing else on the way: no store
+traffic, and the fingerprint of each kind of call is built once. If the exchange itself
+fails (a rank skipped the call, is stuck elsewhere, or gave up waiting), the error names
+each rank's last call: the last one all ranks passed together, or, for a rank that waited
+at this very call and gave up, that call, which a failing rank leaves in the process
+group's store.
 
 Example::
 
@@ -28,6 +32,7 @@ import functools
 import hashlib
 import os
 import time
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +47,7 @@ FINGERPRINT_LEN = 32
 (a longer name is told apart by its hash, and shown cut to 112 bytes)."""
 MAX_DIMS = 8
 NAME_BYTES = 112
+_CACHED_FINGERPRINTS = 1024  # kinds of call (op, name, dtype, shape) kept ready per guard
 _MAGIC = 0x7E57_6A4D  # a fingerprint whose slot 0 is not this was not written by a guard
 _OPS = ("all_reduce", "broadcast", "all_gather", "barrier", "reduce_scatter")
 # Every dtype torch defines, by name, sorted: the same index on every rank of one torch build
@@ -190,6 +196,16 @@ class CollectiveGuard:
         self.seq = 0
         self._check_group: Any = None
         self._store: Any = None
+        self._world: int | None = None  # set with the check group (or at the first check)
+        self._me = 0
+        # This rank's fingerprint and every rank's, as int64 arrays that tensors share: the
+        # hot path fills and compares them in plain Python, without building tensors.
+        self._fp = array("q", bytes(8 * FINGERPRINT_LEN))
+        self._fp_t = torch.frombuffer(self._fp, dtype=torch.int64)
+        self._all = array("q")
+        self._all_t = torch.empty(0, dtype=torch.int64)
+        self._fingerprints: dict[Any, array[int]] = {}
+        self._last_passed: array[int] | None = None  # the last call every rank agreed on
         # Guards are created in the same order on every rank (creation is collective), so a
         # per-process count names the same guard everywhere: the store key for last calls.
         CollectiveGuard._created += 1
@@ -203,6 +219,7 @@ class CollectiveGuard:
                 self._store = dist.distributed_c10d._get_default_store()
             except Exception:  # pragma: no cover - no default store (custom init)
                 self._store = None
+            self._join()
 
     def check(
         self, op: str, name: str, tensor: torch.Tensor | None = None, detail: int = 0
@@ -210,65 +227,86 @@ class CollectiveGuard:
         """Compare this call with every rank's; raise `CollectiveMismatch` if they differ."""
         if not self.enabled or not dist.is_initialized():
             return
-        group = self._check_group
-        world = dist.get_world_size(group)
-        me = dist.get_rank(group)
-        fp = _fingerprint(self.seq, op, name, tensor, detail)
+        # None: the process group appeared after the guard was built
+        world = self._world if self._world is not None else self._join()
+        fp = self._fp
+        fp[:] = self._static_part(op, name, tensor, detail)
+        fp[1] = self.seq
         self.seq += 1
         arrived, started = time.time(), time.monotonic()
-        if self._store is not None:  # ~10 µs: what a timeout report shows for this rank
-            self._store.set(f"{self._key}/{me}", f"{arrived:.3f} {_decode(me, fp)}")
-        # One all-reduce (MAX) of [fp, -fp] gives max and -min of every slot: all ranks agree
-        # exactly when max == min. Only a disagreement pays for gathering every fingerprint.
-        both = torch.tensor(fp + [-x for x in fp], dtype=torch.int64)
+        # One all-gather of a fixed-size fingerprint: every rank gets every rank's call at
+        # once, so agreeing costs one collective and disagreeing needs no second one.
         try:
-            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-            if torch.equal(both[:FINGERPRINT_LEN], -both[FINGERPRINT_LEN:]):
-                return
-            gathered = [torch.empty(FINGERPRINT_LEN, dtype=torch.int64) for _ in range(world)]
-            dist.all_gather(gathered, torch.tensor(fp, dtype=torch.int64), group=group)
+            dist.all_gather_single(self._all_t, self._fp_t, group=self._check_group)
         except RuntimeError as exc:
             failed_after = time.monotonic() - started
-            raise self._timeout_error(
-                me, world, _decode(me, fp), exc, arrived, failed_after
-            ) from exc
-        calls = [_decode(r, g.tolist()) for r, g in enumerate(gathered)]
+            raise self._timeout_error(fp.tolist(), exc, arrived, failed_after) from exc
+        if self._all == fp * world:  # every rank's copy equals this rank's
+            self._last_passed = array("q", fp)
+            return
+        n = FINGERPRINT_LEN
+        calls = [_decode(r, self._all[r * n : (r + 1) * n].tolist()) for r in range(world)]
         table = "\n".join(f"  {c}" for c in calls)
         raise CollectiveMismatch(
-            f"ranks disagree on collective #{calls[me].seq} (this is rank {me}):\n{table}\n"
-            "Every rank must make the same collectives in the same order; look for a branch "
-            "that depends on the rank's data (which dataset, task or split it drew).",
+            f"ranks disagree on collective #{calls[self._me].seq} (this is rank {self._me}):\n"
+            f"{table}\nEvery rank must make the same collectives in the same order; look for a "
+            "branch\nthat depends on the rank's data (which dataset, task or split it drew).",
             calls,
         )
 
+    def _join(self) -> int:
+        """Size the buffer that receives every rank's fingerprint, once the group exists."""
+        world = self._world = dist.get_world_size(self._check_group)
+        self._me = dist.get_rank(self._check_group)
+        self._all = array("q", bytes(8 * FINGERPRINT_LEN * world))
+        self._all_t = torch.frombuffer(self._all, dtype=torch.int64)
+        return world
+
+    def _static_part(
+        self, op: str, name: str, tensor: torch.Tensor | None, detail: int
+    ) -> array[int]:
+        """The call's fingerprint with sequence number 0, built once per kind of call."""
+        key = (op, name, detail, None if tensor is None else (tensor.dtype, tuple(tensor.shape)))
+        fp = self._fingerprints.get(key)
+        if fp is None:
+            if len(self._fingerprints) >= _CACHED_FINGERPRINTS:
+                self._fingerprints.clear()
+            fp = array("q", _fingerprint(0, op, name, tensor, detail))
+            self._fingerprints[key] = fp
+        return fp
+
     def _timeout_error(
-        self,
-        me: int,
-        world: int,
-        mine: GuardedCall,
-        exc: Exception,
-        arrived: float,
-        failed_after: float,
+        self, fp: list[int], exc: Exception, arrived: float, failed_after: float
     ) -> CollectiveMismatch:
+        """The fingerprint exchange failed: not every rank came (in time). Leave this rank's
+        call in the store for its peers' reports, read theirs, and say what each rank did."""
+        me, world = self._me, self._world or 1
+        mine = _decode(me, fp)
+        record = f"{arrived:.3f} " + " ".join(map(str, fp))
+        store_ok = self._store is not None
+        if self._store is not None:  # only a failing rank writes: nothing on the hot path
+            try:
+                self._store.set(f"{self._key}/{me}", record)
+            except Exception:  # the store may be gone with the rank that held it
+                store_ok = False
         last: list[GuardedCall | None] = [None] * world
         last[me] = mine
         lines, peers_since = [], []
         for r in range(world):
-            text = "unknown (no store)"
-            if self._store is not None:
-                key = f"{self._key}/{r}"
-                try:
-                    if self._store.check([key]):
-                        since, text = self._store.get(key).decode().split(" ", 1)
-                        if r != me and text.startswith(f"rank {r}: call #{mine.seq} "):
-                            peers_since.append(float(since))
-                    else:
-                        text = "no guarded call yet"
-                except Exception as err:  # the store may be gone with the rank that held it
-                    text = f"unknown ({type(err).__name__})"
-            lines.append(
-                f"  rank {r} last recorded: {text}" if r != me else f"  {mine}  <- waiting"
-            )
+            if r == me:
+                lines.append(f"  {mine}  <- waiting")
+                continue
+            gave_up = self._peer_record(r, mine.seq) if store_ok else None
+            if gave_up is not None:
+                since, last[r] = gave_up
+                peers_since.append(since)
+                lines.append(f"  {last[r]}  <- waited here, gave up")
+            elif self._last_passed is not None:
+                last[r] = _decode(r, self._last_passed.tolist())
+                done = str(last[r]).split(": ", 1)[1]
+                lines.append(f"  rank {r} last passed {done}, then no record")
+            else:
+                lines.append(f"  rank {r}: no guarded call passed yet")
         at = f"{mine.op} {mine.name!r} (call #{mine.seq})"
         why = (
             "A rank that made fewer guarded calls, an unguarded collective, or a stuck rank "
@@ -288,6 +326,18 @@ class CollectiveGuard:
             head = f"rank {me} reached {at} after its peers had left, and did not wait"
         head += f" (failed after {failed_after:.1f} s: {type(exc).__name__}). {why}"
         return CollectiveMismatch(head + "\n" + "\n".join(lines), last)
+
+    def _peer_record(self, rank: int, seq: int) -> tuple[float, GuardedCall] | None:
+        """What ``rank`` left in the store when its exchange at call ``seq`` failed, if it did."""
+        key = f"{self._key}/{rank}"
+        try:
+            if not self._store.check([key]):
+                return None
+            since, *fp = self._store.get(key).decode().split()
+            call = _decode(rank, [int(x) for x in fp])
+        except Exception:  # the store may be gone with the rank that held it
+            return None
+        return (float(since), call) if call.seq == seq else None  # older: another failure
 
     def all_reduce(self, tensor: torch.Tensor, *, name: str, op: Any = dist.ReduceOp.SUM) -> None:
         """``dist.all_reduce(tensor, op)`` in ``group``, after checking every rank agrees."""
