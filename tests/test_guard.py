@@ -194,3 +194,36 @@ def test_a_rank_arriving_after_its_peers_gave_up_says_so() -> None:
     assert "rank 1: call #0 all_reduce (SUM) 'after/save' float32[1]  <- waited here, gave up" in (
         rank0
     )
+
+
+# --- issue 22 item 4: a small all-reduce travels inside the check -------------------------
+
+
+def test_a_carried_all_reduce_gives_what_dist_all_reduce_gives_on_every_rank() -> None:
+    ops = ["SUM", "PRODUCT", "MIN", "MAX"]
+    dtypes = ["float64", "float32", "float16", "bfloat16", "int64", "int32", "int8", "uint8"]
+    two = spawn(_guard_workers.carried_against_plain, 2, ops, dtypes, timeout_s=60)
+    # two ranks: a + b in either order, so bit for bit what gloo gives
+    assert all(equal for _, _, equal, _ in two[0] + two[1]), [r for r in two[0] if not r[2]]
+    three = spawn(_guard_workers.carried_against_plain, 3, ops, ["float64", "int64"])
+    # three ranks: the same bits on every rank (summed in rank order on each)
+    assert three[0] == three[1] == three[2]
+    assert all(equal for op, dtype, equal, _ in three[0] if dtype == "int64" or op != "SUM")
+
+
+def test_a_guarded_metric_all_reduce_is_one_collective() -> None:
+    counts = spawn(_guard_workers.collectives_per_guarded_call, 2)
+    for c in counts:
+        # the 16 B calls: one all-gather each and nothing in WORLD; 1 MiB: check + all-reduce
+        assert c == {
+            "other gloo:all_gather": 4,
+            "world gloo:all_reduce": 1,
+        }, c
+
+
+def test_the_device_is_part_of_the_fingerprint() -> None:
+    cpu = _fingerprint(0, "all_reduce", "m", torch.zeros(2), 0)
+    meta = _fingerprint(0, "all_reduce", "m", torch.zeros(2, device="meta"), 0)
+    assert cpu != meta  # a CPU tensor carried on one rank, a CUDA one reduced on another: caught
+    assert str(_decode(0, meta)) == "rank 0: call #0 all_reduce (SUM) 'm' meta:float32[2]"
+    assert str(_decode(0, cpu)) == "rank 0: call #0 all_reduce (SUM) 'm' float32[2]"

@@ -12,12 +12,14 @@ fixed-size fingerprint (sequence number, op, name, shape, dtype: 32 int64) with 
 all-gather in a gloo group of the guard's own; every rank then holds every rank's call, and
 if they differ every rank raises `CollectiveMismatch` naming what each rank was calling, so
 the job stops at the first divergent call instead of hanging or averaging the wrong metric.
-That is one small extra collective per guarded call and nothing else on the way: no store
-traffic, and the fingerprint of each kind of call is built once. If the exchange itself
-fails (a rank skipped the call, is stuck elsewhere, or gave up waiting), the error names
-each rank's last call: the last one all ranks passed together, or, for a rank that waited
-at this very call and gave up, that call, which a failing rank leaves in the process
-group's store.
+A small all-reduce (a metric's sum and count: up to `CARRY_BYTES` on the CPU) travels in the
+same all-gather and each rank reduces the copies itself, so a guarded metric sync is one
+collective; a larger one is the check, then the all-reduce. Nothing else happens on the
+way: no store traffic, and the fingerprint of each kind of call is built once. If the
+exchange itself fails (a rank skipped the call, is stuck elsewhere, or gave up waiting), the
+error names each rank's last call: the last one all ranks passed together, or, for a rank
+that waited at this very call and gave up, that call, which a failing rank leaves in the
+process group's store.
 
 Example::
 
@@ -28,52 +30,58 @@ Example::
 from __future__ import annotations
 
 import datetime
-import functools
-import hashlib
 import os
 import time
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveGuard", "CollectiveMismatch", "GuardedCall"]
+from refimpl._fingerprint import (
+    _REDUCE_OPS,
+    FINGERPRINT_LEN,
+    MAX_DIMS,
+    NAME_BYTES,
+    GuardedCall,
+    _decode,
+    _fingerprint,
+    _reduce_code,
+)
 
-FINGERPRINT_LEN = 32
-"""int64 slots per fingerprint: 16 of header and shape, 16 holding up to 112 bytes of name
-(a longer name is told apart by its hash, and shown cut to 112 bytes)."""
-MAX_DIMS = 8
-NAME_BYTES = 112
+__all__ = [
+    "CARRY_BYTES",
+    "FINGERPRINT_LEN",
+    "MAX_DIMS",
+    "NAME_BYTES",
+    "CollectiveGuard",
+    "CollectiveMismatch",
+    "GuardedCall",
+]
+GuardedCall.__module__ = __name__  # documented, and pickled by reference, as refimpl.guard's
+
+CARRY_BYTES = 256
+"""A guarded all-reduce of a CPU tensor up to this size travels inside the fingerprint
+exchange itself (see `CollectiveGuard.all_reduce`)."""
+_ROW = FINGERPRINT_LEN + CARRY_BYTES // 8  # int64 slots each rank contributes per exchange
+_CARRY_MAX_WORLD = 64  # past this, gathering every rank's copy costs more than it saves
 _CACHED_FINGERPRINTS = 1024  # kinds of call (op, name, dtype, shape) kept ready per guard
-_MAGIC = 0x7E57_6A4D  # a fingerprint whose slot 0 is not this was not written by a guard
-_OPS = ("all_reduce", "broadcast", "all_gather", "barrier", "reduce_scatter")
-# Every dtype torch defines, by name, sorted: the same index on every rank of one torch build
-# (a fixed short table let uint16 pass for uint32 and one float8 for another).
-_DTYPES = tuple(sorted({str(v) for v in vars(torch).values() if isinstance(v, torch.dtype)}))
-# Every reduce op by its enum value (BAND and BOR were once one "other" code).
-_REDUCE_OPS = {int(v.value): k for k, v in dist.ReduceOp.RedOpType.__members__.items()}
-
-
-@dataclass(frozen=True)
-class GuardedCall:
-    """What one rank was about to call: decoded from its fingerprint."""
-
-    rank: int
-    seq: int
-    op: str
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    detail: str = ""
-
-    def __str__(self) -> str:
-        extra = f" {self.detail}" if self.detail else ""
-        shape = "x".join(map(str, self.shape)) or "scalar"
-        call = f"{self.op}{extra} {self.name!r} {self.dtype}[{shape}]"
-        return f"rank {self.rank}: call #{self.seq} {call}"
+# What an all-reduce carried in the exchange supports: the reduce ops, applied in rank order
+# with element-wise ops (the same arithmetic on every rank), and the dtypes.
+_CODE = {name: code for code, name in _REDUCE_OPS.items()}
+_CARRIED_OPS: dict[int, Any] = {
+    _CODE["SUM"]: np.add,
+    _CODE["PRODUCT"]: np.multiply,
+    _CODE["MAX"]: np.maximum,
+    _CODE["MIN"]: np.minimum,
+}
+_CARRIED_DTYPES = {
+    torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64,
+    torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16,
+    torch.int32: np.int32, torch.int64: np.int64,
+}  # fmt: skip
 
 
 class CollectiveMismatch(RuntimeError):
@@ -88,70 +96,6 @@ class CollectiveMismatch(RuntimeError):
 
     def __reduce__(self) -> tuple[Any, ...]:  # survive pickling back to the launcher
         return (type(self), (str(self), self.calls))
-
-
-def _name_hash(name: str) -> int:
-    # 62 bits, so that negating it (see `CollectiveGuard.check`) cannot overflow int64
-    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") >> 2
-
-
-@functools.lru_cache(maxsize=4096)
-def _name_slots(name: str) -> tuple[int, ...]:
-    """The name's hash, byte length and first 128 bytes as 16 int64: cached per name."""
-    raw = name.encode()
-    padded = raw[:NAME_BYTES].ljust(NAME_BYTES, b"\0")
-    # 7 bytes per slot: a slot stays below 2**56, so its negation fits in int64 too
-    chunks = [int.from_bytes(padded[i : i + 7], "little") for i in range(0, NAME_BYTES, 7)]
-    return (_name_hash(name), min(len(raw), NAME_BYTES), *chunks)
-
-
-def _fingerprint(
-    seq: int, op: str, name: str, tensor: torch.Tensor | None, detail: int
-) -> list[int]:
-    name_hash, length, *chunks = _name_slots(name)
-    shape = [-1] * MAX_DIMS
-    if tensor is None:
-        dtype, ndim = -1, 0
-    else:
-        if tensor.dim() > MAX_DIMS:
-            raise ValueError(
-                f"CollectiveGuard: {name!r} has {tensor.dim()} dims; at most {MAX_DIMS}"
-            )
-        name_of = str(tensor.dtype)
-        # a dtype outside torch's namespace (none today) still differs by its name's hash
-        dtype = _DTYPES.index(name_of) if name_of in _DTYPES else -2 - _name_hash(name_of)
-        ndim = tensor.dim()
-        shape[:ndim] = tensor.shape
-    return [_MAGIC, seq, _OPS.index(op), name_hash, detail, length, dtype, ndim, *shape, *chunks]
-
-
-def _decode(rank: int, v: list[int]) -> GuardedCall:
-    if v[0] != _MAGIC or not 0 <= v[2] < len(_OPS):
-        return GuardedCall(rank, -1, "?", "<not a guard fingerprint>", "?", ())
-    raw = b"".join(x.to_bytes(7, "little") for x in v[16:])
-    name = raw[: v[5]].decode(errors="replace")
-    dtype = (
-        "none"
-        if v[6] == -1
-        else _DTYPES[v[6]].removeprefix("torch.")
-        if 0 <= v[6] < len(_DTYPES)
-        else "other"
-    )
-    op = _OPS[v[2]]
-    detail = "" if op in ("barrier", "all_gather") else f"({_detail_name(op, v[4])})"
-    return GuardedCall(rank, v[1], op, name, dtype, tuple(v[8 : 8 + v[7]]), detail)
-
-
-def _detail_name(op: str, code: int) -> str:
-    if op == "broadcast":
-        return f"src={code}"
-    return _REDUCE_OPS.get(code, f"op{code}")
-
-
-def _reduce_code(op: Any) -> int:
-    """The op's enum value: ``ReduceOp.BAND`` is a ``RedOpType``; ``ReduceOp(...)`` wraps one
-    in ``.op``. (A PREMUL_SUM's factor is not compared.)"""
-    return int(getattr(op, "op", op))
 
 
 def _group_timeout(group: Any) -> float:
@@ -198,12 +142,16 @@ class CollectiveGuard:
         self._store: Any = None
         self._world: int | None = None  # set with the check group (or at the first check)
         self._me = 0
-        # This rank's fingerprint and every rank's, as int64 arrays that tensors share: the
-        # hot path fills and compares them in plain Python, without building tensors.
-        self._fp = array("q", bytes(8 * FINGERPRINT_LEN))
+        # This rank's row (fingerprint, then room for a carried tensor) and every rank's, as
+        # int64 arrays that tensors and numpy share: the hot path builds no tensors.
+        self._fp = array("q", bytes(8 * _ROW))
         self._fp_t = torch.frombuffer(self._fp, dtype=torch.int64)
+        self._fp_np = np.frombuffer(self._fp, dtype=np.int64)
+        self._carry_t = self._fp_t[FINGERPRINT_LEN:].view(torch.uint8)
         self._all = array("q")
         self._all_t = torch.empty(0, dtype=torch.int64)
+        self._heads = np.empty((0, FINGERPRINT_LEN), dtype=np.int64)
+        self._carried_rows = np.empty((0, CARRY_BYTES), dtype=np.uint8)
         self._fingerprints: dict[Any, array[int]] = {}
         self._last_passed: array[int] | None = None  # the last call every rank agreed on
         # Guards are created in the same order on every rank (creation is collective), so a
@@ -225,27 +173,40 @@ class CollectiveGuard:
         self, op: str, name: str, tensor: torch.Tensor | None = None, detail: int = 0
     ) -> None:
         """Compare this call with every rank's; raise `CollectiveMismatch` if they differ."""
-        if not self.enabled or not dist.is_initialized():
-            return
+        if self.enabled and dist.is_initialized():
+            self._exchange(op, name, tensor, detail)
+
+    def _exchange(
+        self,
+        op: str,
+        name: str,
+        tensor: torch.Tensor | None,
+        detail: int,
+        carry: torch.Tensor | None = None,
+    ) -> None:
+        """One all-gather of every rank's fingerprint (and ``carry``'s bytes after it)."""
         # None: the process group appeared after the guard was built
         world = self._world if self._world is not None else self._join()
         fp = self._fp
-        fp[:] = self._static_part(op, name, tensor, detail)
+        fp[:FINGERPRINT_LEN] = self._static_part(op, name, tensor, detail)
         fp[1] = self.seq
         self.seq += 1
+        if carry is not None:
+            size = carry.numel() * carry.element_size()
+            self._carry_t[:size].copy_(carry.reshape(-1).view(torch.uint8))
         arrived, started = time.time(), time.monotonic()
-        # One all-gather of a fixed-size fingerprint: every rank gets every rank's call at
-        # once, so agreeing costs one collective and disagreeing needs no second one.
+        # One all-gather of a fixed-size row: every rank gets every rank's call at once, so
+        # agreeing costs one collective and disagreeing needs no second one.
         try:
             dist.all_gather_single(self._all_t, self._fp_t, group=self._check_group)
         except RuntimeError as exc:
             failed_after = time.monotonic() - started
-            raise self._timeout_error(fp.tolist(), exc, arrived, failed_after) from exc
-        if self._all == fp * world:  # every rank's copy equals this rank's
-            self._last_passed = array("q", fp)
+            head = fp[:FINGERPRINT_LEN].tolist()
+            raise self._timeout_error(head, exc, arrived, failed_after) from exc
+        if (self._heads == self._fp_np[:FINGERPRINT_LEN]).all():  # every rank's call is mine
+            self._last_passed = fp[:FINGERPRINT_LEN]
             return
-        n = FINGERPRINT_LEN
-        calls = [_decode(r, self._all[r * n : (r + 1) * n].tolist()) for r in range(world)]
+        calls = [_decode(r, self._heads[r].tolist()) for r in range(world)]
         table = "\n".join(f"  {c}" for c in calls)
         raise CollectiveMismatch(
             f"ranks disagree on collective #{calls[self._me].seq} (this is rank {self._me}):\n"
@@ -255,18 +216,46 @@ class CollectiveGuard:
         )
 
     def _join(self) -> int:
-        """Size the buffer that receives every rank's fingerprint, once the group exists."""
+        """Size the buffer that receives every rank's row, once the group exists."""
         world = self._world = dist.get_world_size(self._check_group)
         self._me = dist.get_rank(self._check_group)
-        self._all = array("q", bytes(8 * FINGERPRINT_LEN * world))
+        self._all = array("q", bytes(8 * _ROW * world))
         self._all_t = torch.frombuffer(self._all, dtype=torch.int64)
+        rows = np.frombuffer(self._all, dtype=np.int64).reshape(world, _ROW)
+        self._heads = rows[:, :FINGERPRINT_LEN]  # views: they see each exchange's result
+        self._carried_rows = rows[:, FINGERPRINT_LEN:].view(np.uint8)
         return world
+
+    def _carried(self, tensor: torch.Tensor, code: int) -> bool:
+        """Whether this all-reduce can travel inside the exchange. Decided from what the
+        fingerprint holds (op, reduce op, dtype, device, shape) and the world size, so ranks
+        whose fingerprints agree always decide alike."""
+        world = self._world if self._world is not None else self._join()
+        return (
+            code in _CARRIED_OPS
+            and tensor.dtype in _CARRIED_DTYPES
+            and tensor.device.type == "cpu"
+            and tensor.numel() * tensor.element_size() <= CARRY_BYTES
+            and world <= _CARRY_MAX_WORLD
+        )
+
+    def _reduce_carried(self, tensor: torch.Tensor, code: int) -> None:
+        """Reduce every rank's carried copy of ``tensor`` into it, in rank order: element-wise
+        ops, so every rank does the same arithmetic and gets the same bits."""
+        size = tensor.numel() * tensor.element_size()
+        copies = self._carried_rows[:, :size].view(_CARRIED_DTYPES[tensor.dtype])
+        combine = _CARRIED_OPS[code]
+        acc = copies[0].copy()
+        for r in range(1, copies.shape[0]):
+            combine(acc, copies[r], out=acc)
+        tensor.copy_(torch.from_numpy(acc).view(tensor.shape))
 
     def _static_part(
         self, op: str, name: str, tensor: torch.Tensor | None, detail: int
     ) -> array[int]:
         """The call's fingerprint with sequence number 0, built once per kind of call."""
-        key = (op, name, detail, None if tensor is None else (tensor.dtype, tuple(tensor.shape)))
+        shape = None if tensor is None else (tensor.dtype, tensor.device.type, *tensor.shape)
+        key = (op, name, detail, shape)
         fp = self._fingerprints.get(key)
         if fp is None:
             if len(self._fingerprints) >= _CACHED_FINGERPRINTS:
@@ -340,9 +329,23 @@ class CollectiveGuard:
         return (float(since), call) if call.seq == seq else None  # older: another failure
 
     def all_reduce(self, tensor: torch.Tensor, *, name: str, op: Any = dist.ReduceOp.SUM) -> None:
-        """``dist.all_reduce(tensor, op)`` in ``group``, after checking every rank agrees."""
-        self.check("all_reduce", name, tensor, _reduce_code(op))
-        dist.all_reduce(tensor, op=op, group=self.group)
+        """``dist.all_reduce(tensor, op)`` in ``group``, after checking every rank agrees.
+
+        A CPU tensor of up to `CARRY_BYTES` (a metric's sum and count) reduced with SUM,
+        PRODUCT, MIN or MAX travels inside the check: every rank gathers every rank's copy with
+        its fingerprint and, if all fingerprints agree, reduces the copies itself in rank order.
+        The guarded call is then one all-gather, not a check and an all-reduce. The result is
+        the same on every rank; with more than two ranks a float sum may differ from gloo's
+        ring order in the last bit. Larger tensors: the check, then ``dist.all_reduce``."""
+        code = _reduce_code(op)
+        if not self.enabled or not dist.is_initialized():
+            dist.all_reduce(tensor, op=op, group=self.group)
+        elif self._carried(tensor, code):
+            self._exchange("all_reduce", name, tensor, code, carry=tensor)
+            self._reduce_carried(tensor, code)
+        else:
+            self._exchange("all_reduce", name, tensor, code)
+            dist.all_reduce(tensor, op=op, group=self.group)
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, name: str) -> None:
         """``dist.broadcast(tensor, src)`` in ``group``, after checking every rank agrees."""

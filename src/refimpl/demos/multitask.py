@@ -227,7 +227,7 @@ def call_table(results: list[dict[str, Any]], first: int = 8) -> str:
 
 
 def plot_call_sequences(
-    before: list[dict[str, Any]], after: list[dict[str, Any]], first: int = 14
+    before: list[dict[str, Any]], after: list[dict[str, Any]], first: int = 10
 ) -> Any:
     """Two panels, one row per rank, one box per collective coloured by dataset and labelled
     with the task: per-rank dataset choice (calls pair unrelated metrics) and the fix."""
@@ -235,7 +235,7 @@ def plot_call_sequences(
     from matplotlib.patches import Rectangle
 
     colours = {"cls": "#4C72B0", "det": "#55A868", "seg": "#C44E52"}
-    fig, axes = plt.subplots(2, 1, figsize=(11, 3.6), sharex=True)
+    fig, axes = plt.subplots(2, 1, figsize=(8, 4.2), sharex=True)
     for ax, results, title in (
         (axes[0], before, "each rank picks its own dataset: call #i pairs different metrics"),
         (axes[1], after, "MixtureSampler: the same dataset on every rank, calls pair up"),
@@ -249,15 +249,17 @@ def plot_call_sequences(
                 ax.add_patch(
                     Rectangle((i, y - 0.4), 0.95, 0.8, color=colours[dataset], ec=edge, lw=2)
                 )
-                ax.text(i + 0.47, y, task, ha="center", va="center", fontsize=7, color="white")
+                ax.text(i + 0.47, y, task, ha="center", va="center", fontsize=9, color="white")
         ax.set_ylim(len(results) - 0.5, -0.5)
-        ax.set_yticks(range(len(results)), [f"rank {r['rank']}" for r in results])
-        ax.set_title(title, fontsize=9, loc="left")
+        ax.set_yticks(range(len(results)), [f"rank {r['rank']}" for r in results], fontsize=10)
+        ax.set_title(title, fontsize=10, loc="left")
     axes[1].set_xlim(0, first)
-    axes[1].set_xlabel("collective call number (black edge: ranks disagree on what it reduces)")
+    axes[1].set_xticks([i + 0.47 for i in range(first)], [f"#{i}" for i in range(first)])
+    axes[1].tick_params(axis="x", labelsize=10, length=0)
+    axes[1].set_xlabel("collective call (black edge: the ranks disagree on what it reduces)")
     handles = [Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
-    fig.legend(handles, list(colours), loc="upper right", ncol=3, fontsize=8)
-    fig.tight_layout()
+    fig.legend(handles, list(colours), loc="lower center", ncol=3, fontsize=10, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     return fig
 
 
