@@ -150,6 +150,7 @@ class CollectiveGuard:
         self._carry_t = self._fp_t[FINGERPRINT_LEN:].view(torch.uint8)
         self._all = array("q")
         self._all_t = torch.empty(0, dtype=torch.int64)
+        self._all_rows: list[torch.Tensor] = []
         self._heads = np.empty((0, FINGERPRINT_LEN), dtype=np.int64)
         self._carried_rows = np.empty((0, CARRY_BYTES), dtype=np.uint8)
         self._fingerprints: dict[Any, array[int]] = {}
@@ -198,7 +199,7 @@ class CollectiveGuard:
         # One all-gather of a fixed-size row: every rank gets every rank's call at once, so
         # agreeing costs one collective and disagreeing needs no second one.
         try:
-            dist.all_gather_single(self._all_t, self._fp_t, group=self._check_group)
+            dist.all_gather(self._all_rows, self._fp_t, group=self._check_group)
         except RuntimeError as exc:
             failed_after = time.monotonic() - started
             head = fp[:FINGERPRINT_LEN].tolist()
@@ -221,6 +222,8 @@ class CollectiveGuard:
         self._me = dist.get_rank(self._check_group)
         self._all = array("q", bytes(8 * _ROW * world))
         self._all_t = torch.frombuffer(self._all, dtype=torch.int64)
+        # one view per rank: gloo's list all-gather measured faster here than all_gather_single
+        self._all_rows = list(self._all_t.view(world, _ROW).unbind(0))
         rows = np.frombuffer(self._all, dtype=np.int64).reshape(world, _ROW)
         self._heads = rows[:, :FINGERPRINT_LEN]  # views: they see each exchange's result
         self._carried_rows = rows[:, FINGERPRINT_LEN:].view(np.uint8)
