@@ -140,28 +140,37 @@ def summarise(samples: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
 
 def figure(result: dict[str, Any]) -> Any:
     """Bars of the median paired ratio to a bare all-reduce, quartiles as error bars, one
-    panel per message size; the guard's target as a dashed line."""
+    panel per message size (log scale); the guard's target as a dashed line."""
     import matplotlib.pyplot as plt
 
     methods = ("guard_off", "guard", "detail")
     colours = {"guard_off": "#8c8c8c", "guard": "#dd8452", "detail": "#c44e52"}
-    fig, axes = plt.subplots(1, len(result["rows"]), figsize=(8, 3.4))
-    for ax, (label, row) in zip(axes, result["rows"].items(), strict=True):
+    rows = [(label, result["rows"][label]) for label in SIZES if label in result["rows"]]
+    fig, axes = plt.subplots(1, len(rows), figsize=(8, 3.4), sharey=True)
+    top = max(row["over_plain"][m]["q3"] for _, row in rows for m in methods)
+    for ax, (label, row) in zip(axes, rows, strict=True):
         stats = [row["over_plain"][m] for m in methods]
         med = [s["median"] for s in stats]
         err = [[s["median"] - s["q1"] for s in stats], [s["q3"] - s["median"] for s in stats]]
-        x = range(len(methods))
+        x = list(range(len(methods)))
         ax.bar(x, med, yerr=err, capsize=4, color=[colours[m] for m in methods])
-        for i, v in zip(x, med, strict=True):
-            ax.annotate(f"{v:.2f}x", (i, v), textcoords="offset points", xytext=(9, 3),
-                        fontsize=9)  # fmt: skip
+        for i, s in zip(x, stats, strict=True):
+            ax.annotate(f"x{s['median']:.2f}", (i, s["q3"]), textcoords="offset points",
+                        xytext=(0, 4), ha="center", fontsize=9)  # fmt: skip
         ax.axhline(1.0, color="black", lw=0.8)
-        ax.axhline(row["target"], color="#dd8452", ls="--", lw=1)
-        ax.text(-0.45, row["target"], f"target {row['target']:g}x", va="bottom", fontsize=9)
-        ax.set_xticks(list(x), [LABELS[m] for m in methods], fontsize=9)
+        ax.axhline(row["target"], color=colours["guard"], ls="--", lw=1)
+        ax.set_yscale("log")
+        ax.set_ylim(0.3, top * 2.5)
+        ticks = [t for t in (0.5, 1, 2, 5, 10, 20, 50, 100) if t < top * 2.5]
+        ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
+        ax.minorticks_off()
+        ax.set_xticks(x, [LABELS[m] for m in methods], fontsize=9)
         plain_us = row["seconds"]["plain"]["median"] * 1e6
-        ax.set_title(f"{label}: bare all_reduce {plain_us:.0f} µs", fontsize=10)
-        ax.set_ylim(0, max(max(s["q3"] for s in stats), row["target"]) * 1.2)
+        ax.set_title(
+            f"{label}: bare all_reduce {plain_us:.0f} µs\n"
+            f"dashed: the guard's target, x{row['target']:g}",
+            fontsize=10,
+        )
         ax.tick_params(axis="y", labelsize=9)
     axes[0].set_ylabel("time per call / bare all_reduce", fontsize=9)
     fig.tight_layout()
