@@ -212,3 +212,26 @@ def collectives_per_guarded_call() -> dict[str, int]:
         key = f"{group} {entry['profiling_name']}"
         counts[key] = counts.get(key, 0) + 1
     return counts
+
+
+def carried_odd_tensors() -> list[bool]:
+    """Non-contiguous views and a tensor that requires grad, guarded: each against the sum
+    every rank can compute (plain ``dist.all_reduce`` of a view with gaps is wrong on gloo:
+    it reduces the first numel elements of the storage)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    guard = CollectiveGuard(timeout_s=5.0)
+    total = sum(r + 1 for r in range(world))
+
+    def base(factor: float) -> torch.Tensor:
+        return torch.arange(12, dtype=torch.float32).reshape(3, 4) * factor
+
+    out = []
+    for make in (lambda b: b.t(), lambda b: b[:, 1], lambda b: b[::2]):
+        guarded = make(base(rank + 1))
+        assert not guarded.is_contiguous()
+        guard.all_reduce(guarded, name="odd")
+        out.append(torch.equal(guarded, make(base(total))))
+    with_grad = torch.ones(3, requires_grad=True) * (rank + 1)  # non-leaf, requires grad
+    guard.all_reduce(with_grad, name="grad")
+    out.append(with_grad.tolist() == [float(total)] * 3)
+    return out

@@ -227,3 +227,8 @@ def test_the_device_is_part_of_the_fingerprint() -> None:
     assert cpu != meta  # a CPU tensor carried on one rank, a CUDA one reduced on another: caught
     assert str(_decode(0, meta)) == "rank 0: call #0 all_reduce (SUM) 'm' meta:float32[2]"
     assert str(_decode(0, cpu)) == "rank 0: call #0 all_reduce (SUM) 'm' float32[2]"
+
+
+def test_carried_all_reduce_of_views_and_tensors_that_require_grad() -> None:
+    for res in spawn(_guard_workers.carried_odd_tensors, 2):
+        assert res == [True, True, True, True]

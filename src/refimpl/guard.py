@@ -78,9 +78,8 @@ _CARRIED_OPS: dict[int, Any] = {
     _CODE["MIN"]: np.minimum,
 }
 _CARRIED_DTYPES = {
-    torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64,
-    torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16,
-    torch.int32: np.int32, torch.int64: np.int64,
+    torch.float16, torch.float32, torch.float64,
+    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
 }  # fmt: skip
 
 
@@ -147,7 +146,7 @@ class CollectiveGuard:
         self._fp = array("q", bytes(8 * _ROW))
         self._fp_t = torch.frombuffer(self._fp, dtype=torch.int64)
         self._fp_np = np.frombuffer(self._fp, dtype=np.int64)
-        self._carry_t = self._fp_t[FINGERPRINT_LEN:].view(torch.uint8)
+        self._carry_np = self._fp_np[FINGERPRINT_LEN:].view(np.uint8)
         self._all = array("q")
         self._all_t = torch.empty(0, dtype=torch.int64)
         self._all_rows: list[torch.Tensor] = []
@@ -183,7 +182,7 @@ class CollectiveGuard:
         name: str,
         tensor: torch.Tensor | None,
         detail: int,
-        carry: torch.Tensor | None = None,
+        carry: np.ndarray[Any, Any] | None = None,
     ) -> None:
         """One all-gather of every rank's fingerprint (and ``carry``'s bytes after it)."""
         # None: the process group appeared after the guard was built
@@ -193,8 +192,8 @@ class CollectiveGuard:
         fp[1] = self.seq
         self.seq += 1
         if carry is not None:
-            size = carry.numel() * carry.element_size()
-            self._carry_t[:size].copy_(carry.reshape(-1).view(torch.uint8))
+            flat = np.ascontiguousarray(carry).reshape(-1)  # a copy only for a strided view
+            self._carry_np[: flat.nbytes] = flat.view(np.uint8)
         arrived, started = time.time(), time.monotonic()
         # One all-gather of a fixed-size row: every rank gets every rank's call at once, so
         # agreeing costs one collective and disagreeing needs no second one.
@@ -235,30 +234,35 @@ class CollectiveGuard:
         whose fingerprints agree always decide alike."""
         world = self._world if self._world is not None else self._join()
         return (
-            code in _CARRIED_OPS
+            tensor.nbytes <= CARRY_BYTES
+            and tensor.is_cpu
+            and code in _CARRIED_OPS
             and tensor.dtype in _CARRIED_DTYPES
-            and tensor.device.type == "cpu"
-            and tensor.numel() * tensor.element_size() <= CARRY_BYTES
             and world <= _CARRY_MAX_WORLD
         )
 
-    def _reduce_carried(self, tensor: torch.Tensor, code: int) -> None:
-        """Reduce every rank's carried copy of ``tensor`` into it, in rank order: element-wise
-        ops, so every rank does the same arithmetic and gets the same bits."""
-        size = tensor.numel() * tensor.element_size()
-        copies = self._carried_rows[:, :size].view(_CARRIED_DTYPES[tensor.dtype])
+    def _reduce_carried(
+        self, tensor: torch.Tensor, values: np.ndarray[Any, Any], code: int
+    ) -> None:
+        """Reduce every rank's carried copy of ``tensor`` (whose numpy view is ``values``) into
+        it, in rank order: element-wise ops, so every rank does the same arithmetic and gets
+        the same bits."""
+        copies = self._carried_rows[:, : values.nbytes].view(values.dtype)
         combine = _CARRIED_OPS[code]
-        acc = copies[0].copy()
+        out = values.reshape(-1)
+        shared = np.may_share_memory(out, values)  # else reshape copied: write it back
+        np.copyto(out, copies[0])
         for r in range(1, copies.shape[0]):
-            combine(acc, copies[r], out=acc)
-        tensor.copy_(torch.from_numpy(acc).view(tensor.shape))
+            combine(out, copies[r], out=out)
+        if not shared:
+            tensor.copy_(torch.from_numpy(out).view(tensor.shape))
 
     def _static_part(
         self, op: str, name: str, tensor: torch.Tensor | None, detail: int
     ) -> array[int]:
         """The call's fingerprint with sequence number 0, built once per kind of call."""
-        shape = None if tensor is None else (tensor.dtype, tensor.device.type, *tensor.shape)
-        key = (op, name, detail, shape)
+        kind = None if tensor is None else (tensor.dtype, tensor.device, tensor.shape)
+        key = (op, name, detail, kind)
         fp = self._fingerprints.get(key)
         if fp is None:
             if len(self._fingerprints) >= _CACHED_FINGERPRINTS:
@@ -344,8 +348,9 @@ class CollectiveGuard:
         if not self.enabled or not dist.is_initialized():
             dist.all_reduce(tensor, op=op, group=self.group)
         elif self._carried(tensor, code):
-            self._exchange("all_reduce", name, tensor, code, carry=tensor)
-            self._reduce_carried(tensor, code)
+            values = tensor.detach().numpy()
+            self._exchange("all_reduce", name, tensor, code, carry=values)
+            self._reduce_carried(tensor, values, code)
         else:
             self._exchange("all_reduce", name, tensor, code)
             dist.all_reduce(tensor, op=op, group=self.group)
