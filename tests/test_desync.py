@@ -49,3 +49,12 @@ def test_detail_puts_a_monitored_barrier_run_by_rank_0_before_each_collective() 
         "rank 2: ProcessGroupWrapper: Monitored Barrier encountered error running collective: "
         "CollectiveFingerPrint(SequenceNumber=0, OpType=ALLREDUCE"
     ), out
+
+
+def test_under_detail_each_collective_is_preceded_by_two_all_gathers() -> None:
+    with mt.environment(TORCH_DISTRIBUTED_DEBUG="DETAIL"):
+        entries = spawn(desync.detail_recorded_calls, 2, 2)
+    # the wrapper's verify(): the fingerprint's length, then the fingerprint (7 int64 for one
+    # 1-D tensor), then the all-reduce itself; the monitored barrier is send/recv, unrecorded
+    per_call = ["gloo:all_gather [[1]]", "gloo:all_gather [[7]]", "gloo:all_reduce [[2]]"]
+    assert entries == [per_call * 2] * 2

@@ -1,5 +1,6 @@
 """Chapter 7's look at PyTorch's own desync tools, run on gloo.
 
+- `detail_recorded_calls`: what the flight recorder sees of two all-reduces under DETAIL.
 - `late_rank_under_detail`: under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` every collective first
   runs a monitored barrier centred on rank 0 (``ProcessGroupWrapper``); a late rank shows it.
 - `dump_flight_recorder` / `read_flight_recorder`: each rank's flight-recorder buffer
@@ -16,7 +17,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-__all__ = ["dump_flight_recorder", "late_rank_under_detail", "read_flight_recorder"]
+__all__ = [
+    "detail_recorded_calls",
+    "dump_flight_recorder",
+    "late_rank_under_detail",
+    "read_flight_recorder",
+]
 
 
 def late_rank_under_detail(late_s: float) -> str:
@@ -66,3 +72,12 @@ def read_flight_recorder(folder: str) -> list[str]:
         for handler, stream in zip(handlers, saved, strict=True):
             handler.setStream(stream)
     return out.getvalue().splitlines()
+
+
+def detail_recorded_calls(calls: int) -> list[str]:
+    """Worker, run under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: ``calls`` all-reduces of 2
+    float64, then this rank's flight-recorder entries as "op [sizes]", oldest first."""
+    for _ in range(calls):
+        dist.all_reduce(torch.ones(2, dtype=torch.float64))
+    raw = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())  # type: ignore[attr-defined]
+    return [f"{e['profiling_name']} {e['input_sizes']}" for e in raw["entries"]]
