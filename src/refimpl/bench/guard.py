@@ -9,7 +9,9 @@ Per all-reduce, side by side on the same 2 gloo ranks, in one job:
 - ``detail``: ``dist.all_reduce`` in a gloo group created while the debug level was
   ``DETAIL`` (what ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` does to every group), so PyTorch's
   ``ProcessGroupWrapper`` checks each call;
-- ``memcpy``: a copy of the same bytes into a buffer allocated once, the floor.
+- ``floor``: a bare 16-byte all-reduce, then the bare all-reduce of the message: what any
+  check made of one small collective before the call costs at least;
+- ``memcpy``: a copy of the same bytes into a buffer allocated once, the floor of any method.
 
 Two message sizes: a metric (2 float64, 16 B) and 1 MiB. The methods are interleaved: every
 repeat times each method once per size (``--calls`` calls after a barrier, the slowest rank's
@@ -41,14 +43,17 @@ from refimpl.guard import CollectiveGuard
 from refimpl.launch import spawn
 
 SIZES = {"metric (16 B)": 2, "1 MiB": 2**17}  # float64 elements
-METHODS = ("plain", "guard_off", "guard", "detail", "memcpy")
+METHODS = ("plain", "guard_off", "guard", "detail", "floor", "memcpy")
 LABELS = {
     "plain": "all_reduce",
     "guard_off": "guard off",
     "guard": "CollectiveGuard",
     "detail": "DETAIL",
+    "floor": "16 B first",
     "memcpy": "memcpy",
 }
+_TICKS = {"guard_off": "guard off", "floor": "16 B first", "guard": "Collective\nGuard"}
+_TICKS["detail"] = "DETAIL"
 TARGETS = {"metric (16 B)": 2.0, "1 MiB": 1.15}
 """The most a guarded all-reduce may cost, as a multiple of the bare one, at each size."""
 
@@ -76,6 +81,11 @@ def _sample(op: Callable[[], Any], calls: int) -> float:
     return float(elapsed)
 
 
+def _one_then_other(first: torch.Tensor, second: torch.Tensor) -> None:
+    dist.all_reduce(first)
+    dist.all_reduce(second)
+
+
 def rotated(methods: Sequence[str], repeat: int) -> list[str]:
     """The order of the methods in repeat ``repeat``: each one goes first in turn."""
     k = repeat % len(methods)
@@ -87,6 +97,7 @@ def measure(repeats: int, calls: int) -> dict[str, dict[str, list[float]]]:
     guard_on = CollectiveGuard()
     guard_off = CollectiveGuard(enabled=False)
     detail = _detail_group()
+    small = torch.ones(2, dtype=torch.float64)
     ops: dict[str, dict[str, Callable[[], Any]]] = {}
     for label, numel in SIZES.items():
         t = torch.ones(numel, dtype=torch.float64)
@@ -96,6 +107,7 @@ def measure(repeats: int, calls: int) -> dict[str, dict[str, list[float]]]:
             "guard_off": partial(guard_off.all_reduce, t, name="val/acc"),
             "guard": partial(guard_on.all_reduce, t, name="val/acc"),
             "detail": partial(dist.all_reduce, t, group=detail),
+            "floor": partial(_one_then_other, small, t),
             "memcpy": partial(dest.copy_, t),
         }
         for op in ops[label].values():  # warm-up: connections, buffers, caches
@@ -143,11 +155,12 @@ def figure(result: dict[str, Any]) -> Any:
     panel per message size (log scale); the guard's target as a dashed line."""
     import matplotlib.pyplot as plt
 
-    methods = ("guard_off", "guard", "detail")
-    colours = {"guard_off": "#8c8c8c", "guard": "#dd8452", "detail": "#c44e52"}
+    methods = ("guard_off", "floor", "guard", "detail")
+    colours = {"guard_off": "#8c8c8c", "floor": "#8da0cb", "guard": "#dd8452", "detail": "#c44e52"}
     rows = [(label, result["rows"][label]) for label in SIZES if label in result["rows"]]
     fig, axes = plt.subplots(1, len(rows), figsize=(8, 3.4), sharey=True)
     top = max(row["over_plain"][m]["q3"] for _, row in rows for m in methods)
+    bottom = min(0.3, 0.7 * min(row["over_plain"][m]["q1"] for _, row in rows for m in methods))
     for ax, (label, row) in zip(axes, rows, strict=True):
         stats = [row["over_plain"][m] for m in methods]
         med = [s["median"] for s in stats]
@@ -160,11 +173,11 @@ def figure(result: dict[str, Any]) -> Any:
         ax.axhline(1.0, color="black", lw=0.8)
         ax.axhline(row["target"], color=colours["guard"], ls="--", lw=1)
         ax.set_yscale("log")
-        ax.set_ylim(0.3, top * 2.5)
-        ticks = [t for t in (0.5, 1, 2, 5, 10, 20, 50, 100) if t < top * 2.5]
+        ax.set_ylim(bottom, top * 2.5)
+        ticks = [t for t in (0.2, 0.5, 1, 2, 5, 10, 20, 50, 100) if bottom < t < top * 2.5]
         ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
         ax.minorticks_off()
-        ax.set_xticks(x, [LABELS[m] for m in methods], fontsize=9)
+        ax.set_xticks(x, [_TICKS[m] for m in methods], fontsize=9)
         plain_us = row["seconds"]["plain"]["median"] * 1e6
         ax.set_title(
             f"{label}: bare all_reduce {plain_us:.0f} µs\n"
@@ -217,7 +230,7 @@ def main(argv: list[str]) -> int:
             f"{label}: all_reduce {row['seconds']['plain']['median'] * 1e6:.0f} µs | "
             + " | ".join(
                 f"{LABELS[m]} x{r[m]['median']:.2f} [{r[m]['q1']:.2f}-{r[m]['q3']:.2f}]"
-                for m in ("guard_off", "guard", "detail")
+                for m in ("guard_off", "floor", "guard", "detail")
             )
             + f" | memcpy {row['seconds']['memcpy']['median'] * 1e6:.1f} µs"
         )
