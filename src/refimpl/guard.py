@@ -367,7 +367,8 @@ class CollectiveGuard:
         its fingerprint and, if all fingerprints agree, reduces the copies itself in rank order.
         The guarded call is then one all-gather, not a check and an all-reduce. The result is
         the same on every rank; with more than two ranks a float sum may differ from gloo's
-        ring order in the last bit. Larger tensors: the check, then ``dist.all_reduce``."""
+        ring order in the last bit. Larger tensors: the check, then ``dist.all_reduce`` (in
+        the guard's group for a CPU tensor: see `data_group`)."""
         code = 0 if op is _SUM else _reduce_code(op)
         if not self.enabled or not dist.is_initialized():
             dist.all_reduce(tensor, op=op, group=self.group)
@@ -377,17 +378,29 @@ class CollectiveGuard:
             self._reduce_carried(tensor, values, code)
         else:
             self._exchange("all_reduce", name, tensor, code)
-            dist.all_reduce(tensor, op=op, group=self.group)
+            dist.all_reduce(tensor, op=op, group=self.data_group(tensor))
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, name: str) -> None:
         """``dist.broadcast(tensor, src)`` in ``group``, after checking every rank agrees."""
         self.check("broadcast", name, tensor, src)
-        dist.broadcast(tensor, src=src, group=self.group)
+        dist.broadcast(tensor, src=src, group=self.data_group(tensor))
 
     def all_gather(self, tensors: list[torch.Tensor], tensor: torch.Tensor, *, name: str) -> None:
         """``dist.all_gather(tensors, tensor)`` in ``group``, after checking every rank agrees."""
         self.check("all_gather", name, tensor)
-        dist.all_gather(tensors, tensor, group=self.group)
+        dist.all_gather(tensors, tensor, group=self.data_group(tensor, *tensors))
+
+    def data_group(self, *tensors: torch.Tensor) -> Any:
+        """Where a guarded call's data goes once the check has passed: the guard's own gloo
+        group (same ranks as ``group``, timeout ``timeout_s``) when every tensor is on the CPU,
+        else ``group``. Right after the check, the guard's group is ready to run the next
+        collective, where switching to another group costs a wake-up: measured here,
+        interleaved, a 1 MiB all-reduce after the check took x0.96-1.12 a bare one in the same
+        group and x1.42-2.03 in another. Collectives made outside the guard stay in ``group``,
+        so they never pair with a guarded call."""
+        if self._check_group is not None and all(t.is_cpu for t in tensors):
+            return self._check_group
+        return self.group
 
     def barrier(self, *, name: str) -> None:
         """A barrier that also checks every rank is at the same named point."""

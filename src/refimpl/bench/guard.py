@@ -14,11 +14,12 @@ Per all-reduce, side by side on the same 2 gloo ranks, in one job:
 - ``memcpy``: a copy of the same bytes into a buffer allocated once, the floor of any method.
 
 Two message sizes: a metric (2 float64, 16 B) and 1 MiB. The methods are interleaved: every
-repeat times each method once per size (``--calls`` calls after a barrier, the slowest rank's
-time per call), and the order of the methods rotates from one repeat to the next, so load
-from other processes and order effects (caches, a peer still busy with the previous method)
-hit every method alike. Ratios are paired: each repeat gives one ratio per method against
-``plain`` from the same repeat, and the JSON reports their median with quartiles and range.
+repeat times each method once per size (a few untimed calls, a barrier, then ``--calls``
+calls; the slowest rank's time per call), and the order of the methods rotates from one
+repeat to the next, so load from other processes and order effects (caches, a peer still
+busy with the previous method) hit every method alike. Ratios are paired: each repeat gives
+one ratio per method against ``plain`` from the same repeat, and the JSON reports their
+median with quartiles and range.
 Writes ``guard.json`` and ``guard.png``.
 """
 
@@ -54,6 +55,7 @@ LABELS = {
 }
 _TICKS = {"guard_off": "guard off", "floor": "16 B first", "guard": "Collective\nGuard"}
 _TICKS["detail"] = "DETAIL"
+WARM_CALLS = 5
 TARGETS = {"metric (16 B)": 2.0, "1 MiB": 1.15}
 """The most a guarded all-reduce may cost, as a multiple of the bare one, at each size."""
 
@@ -71,7 +73,11 @@ def _detail_group() -> Any:
 
 
 def _sample(op: Callable[[], Any], calls: int) -> float:
-    """Seconds per call of ``op``, on the slowest rank (a collective lasts for all of them)."""
+    """Seconds per call of ``op``, on the slowest rank (a collective lasts for all of them).
+    A few untimed calls first: the previous sample ran another method, often in another
+    group, whose threads were the ones awake; the sample times ``op`` in its steady state."""
+    for _ in range(WARM_CALLS):
+        op()
     dist.barrier()
     start = time.perf_counter()
     for _ in range(calls):
