@@ -33,7 +33,6 @@ import datetime
 import os
 import time
 from array import array
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -50,6 +49,7 @@ from refimpl._fingerprint import (
     _fingerprint,
     _reduce_code,
 )
+from refimpl._guard_report import CollectiveMismatch, Where, timeout_report
 
 __all__ = [
     "CARRY_BYTES",
@@ -60,7 +60,8 @@ __all__ = [
     "CollectiveMismatch",
     "GuardedCall",
 ]
-GuardedCall.__module__ = __name__  # documented, and pickled by reference, as refimpl.guard's
+# documented, and pickled by reference, as refimpl.guard's
+GuardedCall.__module__ = CollectiveMismatch.__module__ = __name__
 
 CARRY_BYTES = 256
 """A guarded all-reduce of a CPU tensor up to this size travels inside the fingerprint
@@ -83,20 +84,6 @@ _CARRIED_DTYPES = {
     torch.float16, torch.float32, torch.float64,
     torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
 }  # fmt: skip
-
-
-class CollectiveMismatch(RuntimeError):
-    """Ranks disagreed on a guarded collective, or one never reached it.
-
-    ``calls`` holds each rank's `GuardedCall` (for a timeout: the last call each rank recorded,
-    ``None`` where a rank recorded none); ``str(err)`` is a table of them."""
-
-    def __init__(self, message: str, calls: Sequence[GuardedCall | None]) -> None:
-        super().__init__(message)
-        self.calls = list(calls)
-
-    def __reduce__(self) -> tuple[Any, ...]:  # survive pickling back to the launcher
-        return (type(self), (str(self), self.calls))
 
 
 def _group_timeout(group: Any) -> float:
@@ -210,8 +197,10 @@ class CollectiveGuard:
             self._pg.allgather([self._all_rows], [self._fp_t]).wait()
         except RuntimeError as exc:
             failed_after = time.monotonic() - started
+            passed = None if self._last_passed is None else self._last_passed.tolist()
+            where = Where(self._me, world, self._store, self._key, self.timeout_s, passed)
             head = fp[:FINGERPRINT_LEN].tolist()
-            raise self._timeout_error(head, exc, arrived, failed_after) from exc
+            raise timeout_report(where, head, exc, arrived, failed_after) from exc
         mine = self._head_bytes
         if all(head == mine for head in self._heads_bytes):  # every rank's call is mine
             self._last_passed = fp[:FINGERPRINT_LEN]
@@ -294,70 +283,6 @@ class CollectiveGuard:
             fp = array("q", _fingerprint(0, op, name, tensor, detail))
             self._fingerprints[key] = fp
         return fp
-
-    def _timeout_error(
-        self, fp: list[int], exc: Exception, arrived: float, failed_after: float
-    ) -> CollectiveMismatch:
-        """The fingerprint exchange failed: not every rank came (in time). Leave this rank's
-        call in the store for its peers' reports, read theirs, and say what each rank did."""
-        me, world = self._me, self._world or 1
-        mine = _decode(me, fp)
-        record = f"{arrived:.3f} " + " ".join(map(str, fp))
-        store_ok = self._store is not None
-        if self._store is not None:  # only a failing rank writes: nothing on the hot path
-            try:
-                self._store.set(f"{self._key}/{me}", record)
-            except Exception:  # the store may be gone with the rank that held it
-                store_ok = False
-        last: list[GuardedCall | None] = [None] * world
-        last[me] = mine
-        lines, peers_since = [], []
-        for r in range(world):
-            if r == me:
-                lines.append(f"  {mine}  <- waiting")
-                continue
-            gave_up = self._peer_record(r, mine.seq) if store_ok else None
-            if gave_up is not None:
-                since, last[r] = gave_up
-                peers_since.append(since)
-                lines.append(f"  {last[r]}  <- waited here, gave up")
-            elif self._last_passed is not None:
-                last[r] = _decode(r, self._last_passed.tolist())
-                done = str(last[r]).split(": ", 1)[1]
-                lines.append(f"  rank {r} last passed {done}, then no record")
-            else:
-                lines.append(f"  rank {r}: no guarded call passed yet")
-        at = f"{mine.op} {mine.name!r} (call #{mine.seq})"
-        why = (
-            "A rank that made fewer guarded calls, an unguarded collective, or a stuck rank "
-            "does this:"
-        )
-        if failed_after >= self.timeout_s / 2:
-            head = f"rank {me} waited {self.timeout_s:g} s at {at} and not every rank arrived"
-        elif peers_since:  # failed at once: the peers had waited at this very call and left
-            head = (
-                f"rank {me} arrived at {at} {arrived - min(peers_since):.1f} s late, after its "
-                f"peers gave up (they wait {self.timeout_s:g} s). A task on this rank alone "
-                "(rank 0 saving, evaluating) longer than the guard's timeout does this: make "
-                "timeout_s longer than that task"
-            )
-            why = "Each rank's last call:"
-        else:  # failed at once: the peers had left (finished, or failed) before this call
-            head = f"rank {me} reached {at} after its peers had left, and did not wait"
-        head += f" (failed after {failed_after:.1f} s: {type(exc).__name__}). {why}"
-        return CollectiveMismatch(head + "\n" + "\n".join(lines), last)
-
-    def _peer_record(self, rank: int, seq: int) -> tuple[float, GuardedCall] | None:
-        """What ``rank`` left in the store when its exchange at call ``seq`` failed, if it did."""
-        key = f"{self._key}/{rank}"
-        try:
-            if not self._store.check([key]):
-                return None
-            since, *fp = self._store.get(key).decode().split()
-            call = _decode(rank, [int(x) for x in fp])
-        except Exception:  # the store may be gone with the rank that held it
-            return None
-        return (float(since), call) if call.seq == seq else None  # older: another failure
 
     def all_reduce(self, tensor: torch.Tensor, *, name: str, op: Any = dist.ReduceOp.SUM) -> None:
         """``dist.all_reduce(tensor, op)`` in ``group``, after checking every rank agrees.
