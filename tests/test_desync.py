@@ -37,7 +37,7 @@ def test_torchfrtrace_on_the_hangs_dumps_names_the_first_mismatched_kind(tmp_pat
 
 def test_detail_puts_a_monitored_barrier_run_by_rank_0_before_each_collective() -> None:
     with mt.environment(TORCH_DISTRIBUTED_DEBUG="DETAIL"):
-        out = spawn(desync.late_rank_under_detail, 3, 1.5, pg_timeout_s=1.0, timeout_s=60)
+        out = spawn(desync.late_rank_under_detail, 3, 1.2, pg_timeout_s=0.5, timeout_s=60)
     # rank 0 collects every rank and names the one missing; rank 1 only hears nothing back
     # from rank 0; the late rank's all_reduce fails inside the wrapper's barrier
     assert out[0].startswith("rank 0: [Rank 0]: Ranks 2 failed to pass monitoredBarrier"), out

@@ -42,7 +42,8 @@ def dump_flight_recorder(folder: str) -> Path:
     """Write this rank's flight-recorder buffer to ``folder/rank_<rank>``, as `torchfrtrace`
     reads it. gloo records too: every collective of every group, in a ring buffer of
     ``TORCH_FR_BUFFER_SIZE`` entries (2000 by default). NCCL's watchdog writes this dump by
-    itself on a timeout; for gloo we ask for it (``_dump_fr_trace``, a private call)."""
+    itself on a timeout; for gloo we ask for it (``_dump_fr_trace``, a private call). With
+    the stack of every call, which takes seconds per dump to symbolize on this machine."""
     raw = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())  # type: ignore[attr-defined]
     # torch 2.13's gloo records its group's ranks before the group has its name: pg_config
     # says "" where the entries say "0" (default_pg), and torchfrtrace matches them by name.
@@ -79,5 +80,7 @@ def detail_recorded_calls(calls: int) -> list[str]:
     float64, then this rank's flight-recorder entries as "op [sizes]", oldest first."""
     for _ in range(calls):
         dist.all_reduce(torch.ones(2, dtype=torch.float64))
-    raw = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())  # type: ignore[attr-defined]
+    # without stack traces: symbolizing them takes seconds per dump here
+    dump = torch._C._distributed_c10d._dump_fr_trace  # type: ignore[attr-defined]
+    raw = pickle.loads(dump(includeStackTraces=False))
     return [f"{e['profiling_name']} {e['input_sizes']}" for e in raw["entries"]]
