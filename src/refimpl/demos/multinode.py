@@ -264,8 +264,13 @@ def trained_once(sample_log: str | os.PathLike[str], attempts: Sequence[dict[str
 
 
 def _excerpt(run: TwoNodes, keep: Sequence[str]) -> list[str]:
-    """``t=SECONDS node: line`` for the lines that contain one of ``keep``."""
-    return [f"t={t:5.1f}s {name}: {line.split('] ', 1)[-1] if line[:1] in 'IWE' else line}"
+    """``t=SECONDS node: line`` for the lines that contain one of ``keep``; an agent's line
+    without its logging prefix and without the interpreter's path (" of binary: ...")."""
+
+    def short(line: str) -> str:
+        return line.split("] ", 1)[-1].split(" of binary: ")[0] if line[:1] in "IWE" else line
+
+    return [f"t={t:5.1f}s {name}: {short(line)}"
             for t, name, line in run.lines() if any(k in line for k in keep)]  # fmt: skip
 
 
