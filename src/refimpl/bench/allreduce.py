@@ -61,12 +61,12 @@ def measure(sizes: list[int], repeats: int) -> dict[str, Any]:
 
 def plot(result: dict[str, Any], path: Path) -> None:
     """Draw median time against message size for each method (log-log), with spread."""
-    import matplotlib
+    # The object API needs no backend: matplotlib.use("Agg") here would switch a notebook
+    # that calls this off its inline backend for every later figure.
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig = Figure(figsize=(7, 4.2))
+    ax = fig.subplots()
     nbytes = [r["bytes"] for r in result["rows"]]
     for key, label in (
         ("gloo", "dist.all_reduce (gloo)"),
@@ -83,7 +83,6 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main(argv: list[str]) -> int:

@@ -166,16 +166,15 @@ def draw(data: dict[str, Any], ax: Any) -> Any:
 
 def plot(data: dict[str, Any], path: Path) -> None:
     """Write `draw`'s figure to ``path`` (PNG)."""
-    import matplotlib
+    # The object API needs no backend: matplotlib.use("Agg") here would switch a notebook
+    # that calls this off its inline backend for every later figure.
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig = Figure(figsize=(8, 5))
+    ax = fig.subplots()
     draw(data, ax)
     fig.tight_layout()
     fig.savefig(path, dpi=150)
-    plt.close(fig)
 
 
 def main(argv: list[str]) -> int:

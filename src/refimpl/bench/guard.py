@@ -225,11 +225,11 @@ def main(argv: list[str]) -> int:
         "rows": summarise(samples),
     }
     path = write_json(args.out, "guard", result)
-    import matplotlib
+    import matplotlib.pyplot as plt
 
-    matplotlib.use("Agg")
     fig = figure(result)
     fig.savefig(args.out / "guard.png", dpi=150)
+    plt.close(fig)
     for label, row in result["rows"].items():
         r = row["over_plain"]
         print(

@@ -151,17 +151,16 @@ def draw(result: dict[str, Any], ax: Any) -> None:
 
 def plot(result: dict[str, Any], path: Path) -> None:
     """`draw` into ``path`` (PNG)."""
-    import matplotlib
+    # The object API needs no backend: matplotlib.use("Agg") here would switch a notebook
+    # that calls this off its inline backend for every later figure.
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     draw(result, ax)
     ax.set_title(f"load_sharded of {result['size_mb']} MiB, resharded vs same world size")
     fig.tight_layout()
     fig.savefig(path, dpi=150, bbox_inches="tight")
-    plt.close(fig)
 
 
 def main(argv: list[str]) -> int:

@@ -28,7 +28,6 @@ __all__ = [
     "ddp_hook_trace",
     "ddp_small_bucket",
     "ddp_statistics",
-    "draw_ddp_hook_trace",
     "fp16_hook_error",
     "fp16_overflow",
     "grad_scaler_with_fp16_hook",
@@ -83,31 +82,6 @@ def ddp_hook_trace(widths: tuple[int, ...] = (512,) * 9, steps: int = 3) -> dict
             "buckets": buckets, "backward_returned": returned,
         })  # fmt: skip
     return {"steps": trace, "names": [n for n, _ in model.named_parameters()]}
-
-
-def draw_ddp_hook_trace(step: dict[str, Any], names: list[str], ax: Any, title: str) -> Any:
-    """One step of `ddp_hook_trace`: a dot per gradient (row = parameter, colour = bucket) and
-    a bar per bucket all-reduce from launch to completion, along the time axis."""
-    import matplotlib.pyplot as plt
-
-    colors = plt.get_cmap("tab10")
-    bucket_of = {i: b for b, bucket in enumerate(step["buckets"]) for i in bucket}
-    launched: dict[int, float] = {}
-    n = len(names)
-    for t, kind, i in step["events"]:
-        if kind == "grad":
-            ax.plot(1e3 * t, i, "o", color=colors(bucket_of[i] % 10), markersize=4)
-        elif kind == "launch":
-            launched[i] = 1e3 * t
-        elif kind == "done" and i in launched:
-            ax.barh(-1.5 - i, 1e3 * t - launched[i], left=launched[i], height=0.8,
-                    color=colors(i % 10))  # fmt: skip
-    ax.axvline(1e3 * step["backward_returned"], color="black", linestyle="--", linewidth=1)
-    rows = list(range(n)) + [-1.5 - b for b in range(len(step["buckets"]))]
-    labels = names + [f"all-reduce b{b}" for b in range(len(step["buckets"]))]
-    ax.set_yticks(rows, labels, fontsize=6)
-    ax.set_title(title)
-    return ax
 
 
 def timeline(
