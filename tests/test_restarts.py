@@ -24,6 +24,10 @@ def test_a_save_stuck_forever_is_killed_and_the_job_finishes_bit_identical(
     assert "[rank0] injected hang: the save of step 10 blocks forever" in result["trainer"]
     assert "[rank0] resumed from step_5" in result["trainer"]
     assert any("exitcode: -25" in line for line in result["agent"]), result["agent"]  # SIGXFSZ
+    # whichever rank's timer the server reaps first (a race), it was ended by SIGXFSZ
+    ended = result["ended"]
+    assert ended and {sig for _, sig in ended} == {25} and {r for r, _ in ended} <= {0, 1}, ended
+    assert "ended a worker of the stuck save after 5 s (signal 25)" in result["verdict"]
     assert result["identical"], result["verdict"]
 
 
