@@ -110,6 +110,24 @@ def test_the_library_never_imports_a_demo_or_a_benchmark() -> None:
         assert not re.search(r"^\s*(from|import) refimpl\.(demos|bench)", text, re.M), path.name
 
 
+def test_no_refimpl_code_switches_the_matplotlib_backend() -> None:
+    """A chapter that calls a benchmark or a demo keeps its inline figures: refimpl draws with
+    pyplot inside the caller's backend, or with `matplotlib.figure.Figure`, never
+    ``matplotlib.use(...)`` (which turned inline figures off for every later cell)."""
+    for path in sorted((ROOT / "src" / "refimpl").rglob("*.py")):
+        code = [ln for ln in path.read_text().splitlines() if not ln.lstrip().startswith("#")]
+        assert not any("matplotlib.use(" in ln for ln in code), path.relative_to(ROOT)
+    switches = [
+        f"{nb.name} cell {i}"
+        for nb in sorted((ROOT / "notebooks").glob("*.ipynb"))
+        for i, cell in enumerate(nbformat.read(nb, as_version=4).cells)
+        if cell.cell_type == "code" and "%matplotlib inline" in cell.source
+    ]
+    assert not switches, (
+        f"a cell switches back to inline figures (whose backend changed?): {switches}"
+    )
+
+
 _HEADING = re.compile(r"#{1,6} ")
 _FENCE = re.compile(r"(`{3,}|:{3,})")
 
