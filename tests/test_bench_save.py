@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,21 +35,33 @@ def test_overhead_benchmark_rows_ratios_and_plot(tmp_path: Path) -> None:
         if not r["method"].startswith("dcp_async"):  # synchronous: blocked for all of it
             assert r["blocking_s_median"] == r["total_s_median"]
     assert set(data["ratios"]) == {"2", "4"} and set(data["train_step"]) == {"2", "4"}
-    assert data["train_step"]["2"]["steps_during_save"] >= 1
-    assert data["train_step"]["2"]["steps_during_process_save"] >= 1
+    for kind in ("save", "low_save", "process_save"):
+        assert data["train_step"]["2"][f"steps_during_{kind}"] >= 1, kind
     for size, ratios in data["ratios"].items():  # thread vs process, side by side, per size
         for name in (
             "dcp_async_process blocking / floor_memcpy",
             "dcp_async_process blocking / dcp_async_staged blocking",
             "dcp_async_process total / dcp_async_staged total",
+            "dcp_async_staged_low blocking / floor_memcpy",
+            "dcp_async_staged_low total / dcp_async_staged total",
             "train step during thread save / alone",
+            "train step during low-priority thread save / alone",
             "train step during process save / alone",
         ):
             assert math.isfinite(ratios[name]) and ratios[name] > 0, (size, name)
         steps = data["train_step"][size]
-        for kind in ("alone", "during_save", "during_process_save"):
+        for kind in ("alone", "during_save", "during_low_save", "during_process_save"):
             lo, mid, hi = (steps[f"step_s_{s}_{kind}"] for s in ("min", "median", "max"))
             assert 0 < lo <= mid <= hi, (size, kind)
+        for kind in ("save", "low_save"):  # the writing thread's CPU time, measured in it
+            assert 0 < steps[f"writer_cpu_s_median_{kind}"] < steps[f"save_s_median_{kind}"]
+        assert "writer_cpu_s_median_process_save" not in steps  # not measurable from here
+        if sys.platform == "linux":  # a spinning thread's wait for the GIL, from schedstat
+            gil = data["gil_wait"][size]
+            assert set(gil) == {
+                f"gil_wait_fraction_{k}" for k in ("save", "low_save", "process_save")
+            }
+            assert all(0 <= v < 1 for v in gil.values()), gil
     # the benchmark's one-rank group and DCP's checkpoint daemon are gone afterwards
     assert not dist.is_initialized()
     assert _async_process_executor._CHECKPOINT_PROCESS is None

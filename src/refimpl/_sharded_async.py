@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import async_save
 from torch.distributed.tensor import DTensor
 
+from refimpl._low_priority import WRITER_NICE, LowPriorityWriter, lower_thread_priority
 from refimpl._sharded_errors import dcp_errors
 from refimpl._sharded_group import Group, commit_step, discard, prepare_step
 from refimpl._sharded_state import pack_checked
@@ -191,7 +191,10 @@ class AsyncSaver:
         *,
         timeout_s: float | None = None,
         pinned_memory: bool | None = None,
+        writer_nice: int = WRITER_NICE,
     ) -> None:
+        if not 0 <= writer_nice <= 19:
+            raise ValueError(f"writer_nice must be an int from 0 to 19, got {writer_nice!r}")
         if pinned_memory and not torch.cuda.is_available():
             raise ValueError(
                 "pinned_memory=True needs CUDA (page-locking is a CUDA driver call); pass "
@@ -207,7 +210,13 @@ class AsyncSaver:
         self._pg = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
         pinned = torch.cuda.is_available() if pinned_memory is None else pinned_memory
         self._stager = _ReusingStager(pinned)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="refimpl-async-save")
+        self.writer_nice = writer_nice
+        self._pool = ThreadPoolExecutor(
+            1,
+            thread_name_prefix="refimpl-async-save",
+            initializer=lower_thread_priority,
+            initargs=(writer_nice,),
+        )
         self._pending: AsyncSaveHandle | None = None
         self._closed = False
 
@@ -256,7 +265,9 @@ class AsyncSaver:
             msd, osd = get_state_dict(model, optimizer)
             upload = async_save(
                 {"model": msd, "optim": osd, **packed},
-                storage_writer=FileSystemWriter(tmp, sync_files=True, overwrite=False),
+                storage_writer=LowPriorityWriter(
+                    tmp, nice=self.writer_nice, sync_files=True, overwrite=False
+                ),
                 process_group=self._pg,
                 async_stager=self._stager,
             )
