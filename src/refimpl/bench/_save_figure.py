@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LABELS", "overhead_figure", "overhead_table"]
+__all__ = ["LABELS", "blocking_estimate_figure", "overhead_figure", "overhead_table"]
 
 LABELS = {
     "floor_memcpy": "memcpy into buffers (floor)",
@@ -19,15 +19,19 @@ LABELS = {
     "torch_save_fsync": "torch.save + fsync",
     "atomic_save": "refimpl atomic_save",
     "dcp_sync": "DCP save",
-    "dcp_async": "DCP async, new copy each save",
+    "dcp_async": "DCP async,\nnew copy each save",
     "dcp_async_staged": "DCP async, staged",
-    "dcp_async_staged_low": "DCP async, staged, low-priority writer",
-    "dcp_async_process": "DCP async, staged, process writer",
+    "dcp_async_staged_low": "DCP async, staged,\nlow-priority writer",
+    "dcp_async_process": "DCP async, staged,\nprocess writer",
 }
 
 
 def _label(method: str) -> str:
     return LABELS.get(method, method)
+
+
+def _flat(method: str) -> str:
+    return _label(method).replace("\n", " ")
 
 
 def _size_name(nbytes: int) -> str:
@@ -56,17 +60,20 @@ def _bars(
     color: str,
     height: float | dict[int, float],
     label: str,
+    whisker_offset: float = 0.0,
 ) -> None:
-    """Bars for ``kind`` (blocking or total) at the positions ``which``: median, min-max."""
+    """Bars for ``kind`` (blocking or total) at the positions ``which``: the median, and
+    min-max whiskers drawn ``whisker_offset`` off the bar's centre line."""
     med = [rows[methods[i]][f"{kind}_s_median"] for i in which]
     err = [
         [m - rows[methods[i]][f"{kind}_s_min"] for m, i in zip(med, which, strict=True)],
         [rows[methods[i]][f"{kind}_s_max"] - m for m, i in zip(med, which, strict=True)],
     ]
     heights = [height[i] for i in which] if isinstance(height, dict) else height
-    ax.barh(
-        which, med, height=heights, color=color, label=label, xerr=err,
-        error_kw={"ecolor": "#333333", "capsize": 2.5, "elinewidth": 1},
+    ax.barh(which, med, height=heights, color=color, label=label)
+    ax.errorbar(
+        med, [i + whisker_offset for i in which], xerr=err, fmt="none",
+        ecolor="#333333", capsize=2.5, elinewidth=1,
     )  # fmt: skip
 
 
@@ -78,14 +85,14 @@ def overhead_figure(data: dict[str, Any]) -> Any:
     sizes = _sizes(data)
     methods = list(dict.fromkeys(r["method"] for r in data["rows"]))
     fig, axes = plt.subplots(
-        1, len(sizes), figsize=(4.6 * len(sizes) + 2.4, 0.42 * len(methods) + 1.9),
+        1, len(sizes), figsize=(3.0 * len(sizes) + 2.2, 0.44 * len(methods) + 1.9),
         sharey=True, squeeze=False,
     )  # fmt: skip
     y = list(range(len(methods)))
     for ax, nbytes in zip(axes[0], sizes, strict=True):
         rows = {r["method"]: r for r in data["rows"] if r["bytes"] == nbytes}
         background = [i for i, m in enumerate(methods) if _is_async(rows[m])]
-        _bars(ax, rows, methods, background, "total", "#9ecae1", 0.78, BACKGROUND)
+        _bars(ax, rows, methods, background, "total", "#9ecae1", 0.78, BACKGROUND, -0.29)
         thin = {i: 0.4 if i in background else 0.78 for i in y}
         _bars(ax, rows, methods, y, "blocking", "#08519c", thin, BLOCKED)
         ax.set_xscale("log")
@@ -112,7 +119,7 @@ def overhead_table(data: dict[str, Any]) -> str:
     sizes = _sizes(data)
     methods = list(dict.fromkeys(r["method"] for r in data["rows"]))
     rows = {(r["method"], r["bytes"]): r for r in data["rows"]}
-    width = max(len(_label(m)) for m in methods)
+    width = max(len(_flat(m)) for m in methods)
     head = "".join(f"{_size_name(n) + ': blocked / total':>28}" for n in sizes)
     lines = [f"{'method':<{width}}{head}"]
     for m in methods:
@@ -120,5 +127,37 @@ def overhead_table(data: dict[str, Any]) -> str:
             f"{rows[m, n]['blocking_s_median']:>16.3f} s {rows[m, n]['total_s_median']:>7.3f} s"
             for n in sizes
         )
-        lines.append(f"{_label(m):<{width}}{cells}")
+        lines.append(f"{_flat(m):<{width}}{cells}")
     return "\n".join(lines)
+
+
+def blocking_estimate_figure(state_gib: float, disk_gibps: float, copy_gibps: float) -> Any:
+    """Seconds training is blocked per save, as arithmetic on two throughputs: a synchronous
+    save writes ``state_gib`` at ``disk_gibps``, a staged async save copies it at
+    ``copy_gibps``. The floors only: real saves add fixed costs (planning, metadata)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    sync_s, async_s = state_gib / disk_gibps, state_gib / copy_gibps
+    fig, ax = plt.subplots(figsize=(7.5, 2.4))
+    ax.barh(
+        ["sync save\n(write + fsync)", "staged async\n(one copy)"],
+        [sync_s, async_s],
+        color=["#e6550d", "#08519c"],
+        height=0.6,
+    )
+    for yi, seconds in enumerate((sync_s, async_s)):
+        ax.text(seconds * 1.15, yi, f"{seconds:.3g} s", va="center", fontsize=10)
+    ax.set_xscale("log")
+    ax.set_xlim(0.01, 1000)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.invert_yaxis()
+    ax.tick_params(labelsize=10)
+    ax.set_xlabel("seconds training is blocked per save (log scale)", fontsize=10)
+    ax.set_title(
+        f"{state_gib:.3g} GiB per rank, storage {disk_gibps:.3g} GiB/s, copy "
+        f"{copy_gibps:.3g} GiB/s: async blocks {sync_s / async_s:.0f}x less",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    return fig
