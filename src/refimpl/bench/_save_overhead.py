@@ -1,9 +1,10 @@
 """``python -m refimpl.bench save --sizes-mb 256 1024 --out DIR``: what saving costs training.
 
-For each state size, every method saves the same state, round robin, one cold round and then
-``--repeats`` timed rounds. Each method reports two times: **blocking** (how long the
-training loop is stopped: until the call returns) and **total** (until the checkpoint is on
-disk and fsynced). For a synchronous save they are equal.
+For each state size, every method saves the same state, round robin (the order rotating
+every round), one cold round and then ``--repeats`` timed rounds. Each method reports two
+times: **blocking** (how long the training loop is stopped: until the call returns) and
+**total** (until the checkpoint is on disk and fsynced). For a synchronous save they are
+equal.
 
 - ``floor_memcpy``: copy the state into pre-allocated buffers, the least any save that
   snapshots the state must block for;
@@ -189,10 +190,14 @@ def measure_size(
     total: dict[str, list[float]] = {m: [] for m in todo}
     cold: dict[str, tuple[float, float]] = {}
     try:
+        names = list(todo)
         for rnd in range(repeats + 1):
-            for name, timed in todo.items():
+            # the order rotates each timed round, so that no method always follows the same
+            # one (a method that frees a gigabyte of pages slows whichever comes next)
+            shift = (rnd - 1) % len(names) if rnd else 0
+            for name in names[shift:] + names[:shift]:
                 path = scratch / f"{name}_{rnd}"
-                blocked_s, total_s = timed(path)
+                blocked_s, total_s = todo[name](path)
                 _clean(path)
                 if rnd == 0:
                     cold[name] = (blocked_s, total_s)  # first buffers, first files: apart
