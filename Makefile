@@ -16,10 +16,10 @@ NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-tim
 # kernel, and a test file runs whole on one worker. TEST_WORKERS=0 runs everything in order.
 # Two, one per core: with four, the suite saturates both cores and the chapters' measured
 # shapes (chapter 1's all-reduce against its memcpy floor) and the elastic runs' heartbeats
-# start to fail under the contention. Notebooks are collected first, so the longest units
-# (chapters 10 and 11) start at once instead of last.
+# start to fail under the contention. Files are handed out longest first (tests/conftest.py;
+# --no-loadscope-reorder keeps that order), so no worker is left with a long file at the end.
 TEST_WORKERS ?= 2
-PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 export PYTHONHASHSEED := 0
 # Notebooks show figures through the inline backend; an inherited MPLBACKEND=Agg hides them.
 unexport MPLBACKEND

@@ -156,3 +156,82 @@ def rank0_arrives_late(late_s: float) -> str:
     except CollectiveMismatch as exc:
         return str(exc)
     return "no error"
+
+
+def store_keys_after_agreeing_calls(n: int) -> list[str]:
+    """``n`` guarded calls that agree; then the guard's keys found in the store (none)."""
+    guard = CollectiveGuard(timeout_s=5.0)
+    for i in range(n):
+        guard.all_reduce(torch.ones(2), name=f"metric/{i}")
+    guard.barrier(name="done")
+    store = dist.distributed_c10d._get_default_store()
+    keys = [f"{guard._key}/{r}" for r in range(dist.get_world_size())]
+    return [k for k in keys if store.check([k])]
+
+
+def carried_against_plain(ops: list[str], dtypes: list[str]) -> list[tuple[str, str, bool, str]]:
+    """For every (op, dtype): the guarded all-reduce of a small tensor (carried in the
+    exchange) and the plain ``dist.all_reduce`` of the same values. Returns (op, dtype,
+    equal, guarded result's bytes as hex) so the caller can compare ranks too."""
+    import hashlib
+
+    rank = dist.get_rank()
+    guard = CollectiveGuard(timeout_s=5.0)
+    out = []
+    for op_name in ops:
+        op = getattr(dist.ReduceOp, op_name)
+        for dtype_name in dtypes:
+            dtype = getattr(torch, dtype_name)
+            gen = torch.Generator().manual_seed(1000 + rank)
+            values = torch.randn(3, 5, generator=gen) * 3 + (1.5 if op_name == "PRODUCT" else 0)
+            values = values.to(dtype)
+            guarded, plain = values.clone(), values.clone()
+            guard.all_reduce(guarded, name=f"{op_name}/{dtype_name}", op=op)
+            dist.all_reduce(plain, op=op)
+            digest = hashlib.sha256(guarded.view(torch.uint8).numpy().tobytes()).hexdigest()
+            out.append((op_name, dtype_name, torch.equal(guarded, plain), digest))
+    return out
+
+
+def collectives_per_guarded_call() -> dict[str, int]:
+    """Three guarded all-reduces of a metric (16 B), one of 1 MiB: the collectives each group
+    ran, from this rank's flight recorder."""
+    import pickle
+
+    guard = CollectiveGuard(timeout_s=5.0)
+    for i in range(3):
+        guard.all_reduce(torch.ones(2, dtype=torch.float64), name=f"metric/{i}")
+    big = torch.ones(2**17, dtype=torch.float64)
+    guard.all_reduce(big, name="big")
+    assert big[0].item() == dist.get_world_size()
+    raw = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
+    counts: dict[str, int] = {}
+    world_name = dist.group.WORLD.group_name
+    for entry in raw["entries"]:
+        group = "world" if entry["process_group"][0] == world_name else "other"
+        key = f"{group} {entry['profiling_name']}"
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def carried_odd_tensors() -> list[bool]:
+    """Non-contiguous views and a tensor that requires grad, guarded: each against the sum
+    every rank can compute (plain ``dist.all_reduce`` of a view with gaps is wrong on gloo:
+    it reduces the first numel elements of the storage)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    guard = CollectiveGuard(timeout_s=5.0)
+    total = sum(r + 1 for r in range(world))
+
+    def base(factor: float) -> torch.Tensor:
+        return torch.arange(12, dtype=torch.float32).reshape(3, 4) * factor
+
+    out = []
+    for make in (lambda b: b.t(), lambda b: b[:, 1], lambda b: b[::2]):
+        guarded = make(base(rank + 1))
+        assert not guarded.is_contiguous()
+        guard.all_reduce(guarded, name="odd")
+        out.append(torch.equal(guarded, make(base(total))))
+    with_grad = torch.ones(3, requires_grad=True) * (rank + 1)  # non-leaf, requires grad
+    guard.all_reduce(with_grad, name="grad")
+    out.append(with_grad.tolist() == [float(total)] * 3)
+    return out

@@ -3,22 +3,30 @@
 from __future__ import annotations
 
 import copy
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+import refimpl._sharded_seen
 import refimpl.sharded
 from refimpl.data import ResumableSampler
 from refimpl.demos.sharded import full_state, max_abs_diff, shard, tiny_model, train
 from refimpl.sharded import AsyncSaver, PerRank, load_sharded, save_sharded
 
 
-def shard_changed_after_rank0_checked(ckpt_dir: str) -> tuple[int | None, float, list[str]]:
+def shard_changed_after_rank0_checked(
+    ckpt_dir: str, racy_s: float | None = None
+) -> tuple[int | None, float, list[str]]:
     """Save steps 1 and 2 of an FSDP2 model at 2 ranks; then rank 0 verifies step 2 and, right
     after, one byte of rank 1's shard file changes (what rank 1 would see if its node had
-    another copy). Returns ``(step loaded, max |diff| vs step 1 on rank 0, skip reasons)``."""
+    another copy). Returns ``(step loaded, max |diff| vs step 1 on rank 0, skip reasons)``.
+    ``racy_s``: `refimpl._sharded_seen.RACY_S` for this load, after waiting twice as long, so
+    that rank 0 records what it saw of each file (else every rank hashes a just-saved file)."""
+    if racy_s is not None:
+        refimpl._sharded_seen.RACY_S = racy_s
     model = shard(tiny_model(0))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     train(model, opt, range(1, 3))
@@ -26,6 +34,8 @@ def shard_changed_after_rank0_checked(ckpt_dir: str) -> tuple[int | None, float,
     step1 = copy.deepcopy(full_state(model, opt))  # Adam's step tensor is shared, not copied
     train(model, opt, range(3, 5))
     save_sharded(ckpt_dir, model, opt, 2)
+    if racy_s is not None:
+        time.sleep(2 * racy_s)
 
     real = refimpl.sharded.choose_step
 

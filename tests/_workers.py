@@ -163,3 +163,46 @@ def start_escaping_grandchild_then_fail(pid_dir: str) -> None:
 
 def scaled_rank(scale: int, *, offset: int = 0) -> int:
     return dist.get_rank() * scale + offset
+
+
+def resave_forever(ckpt_dir: str, started: str) -> None:
+    """Re-save step 3 (a new 8 MB state) back to back until killed; touch ``started`` first."""
+    from refimpl.checkpoint import save_checkpoint
+    from refimpl.demos.faults import make_state
+
+    Path(started).touch()
+    while True:
+        save_checkpoint(ckpt_dir, make_state(4, 1 << 21), 3)
+
+
+def restarted_attempt(env: dict[str, str], delay_s: float, result: str) -> None:
+    """One worker of a torchrun attempt (the env torchrun gives it): init_from_env, one
+    all-reduce, the sum (or the error) written to ``result``, then ``os._exit`` without
+    tearing the group down, as a killed worker leaves it."""
+    import traceback
+
+    os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    os.environ.update(env)
+    time.sleep(delay_s)
+    try:
+        from refimpl.launch import init_from_env
+
+        init_from_env("gloo", timeout_s=8)
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        Path(result).write_text(str(int(t.item())))
+    except BaseException:
+        Path(result).write_text(traceback.format_exc())
+    os._exit(0)
+
+
+def modules_imported_by_ddp() -> tuple[bool, list[str]]:
+    """Whether torch._dynamo was imported before this rank wrapped a model in DDP, and the
+    torch._dynamo / sympy modules wrapping it imported (none when the fork server had them)."""
+    import sys
+
+    had_dynamo = "torch._dynamo" in sys.modules
+    before = set(sys.modules)
+    torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+    new = sorted(m for m in set(sys.modules) - before if m.startswith(("torch._dynamo", "sympy")))
+    return had_dynamo, new

@@ -95,6 +95,22 @@ def test_disk_errors_keep_the_old_file_and_remove_the_temp(
     assert _temps(tmp_path) == []
 
 
+def test_a_disk_full_message_gives_one_fact_per_line_that_fits_a_page(tmp_path: Path) -> None:
+    """Chapter 5 prints it: the errno, the file, what was kept, what to do, each on a line of
+    at most 100 columns once the directory is shortened (as the chapter shortens it)."""
+    target = tmp_path / "ckpt.pt"
+    atomic_save({"step": 1}, target)
+    with inject_io_error(errno.ENOSPC, after_bytes=100), pytest.raises(OSError) as info:
+        atomic_save({"w": torch.zeros(10_000)}, target)
+    lines = str(info.value).replace(str(tmp_path), "WORK").splitlines()
+    assert lines == [
+        "[Errno 28] atomic write of WORK/ckpt.pt failed (No space left on device);",
+        "the previous ckpt.pt is untouched and the temporary file was removed.",
+        "Free some space (or raise the quota), then save again",
+    ]
+    assert max(map(len, lines)) <= 100
+
+
 def test_atomic_dir_publishes_everything_with_the_marker_last(tmp_path: Path) -> None:
     final = tmp_path / "step_1"
     with atomic_dir(final) as tmp:

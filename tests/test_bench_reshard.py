@@ -10,23 +10,34 @@ from pathlib import Path
 
 import pytest
 
-from refimpl.bench.reshard import WORLDS, _same, main
+from refimpl.bench.reshard import READERS, WORLDS, _paired, _same, main
 
 
 @pytest.mark.slow
 def test_reshard_benchmark_times_and_checks_every_pair(tmp_path: Path) -> None:
     assert main(["--out", str(tmp_path), "--size-mb", "1", "--d", "128", "--repeats", "5"]) == 0
     data = json.loads((tmp_path / "reshard.json").read_text())
-    pairs = {(r["saved_at"], r["loaded_at"]) for r in data["rows"]}
-    assert pairs == {(a, w) for a in WORLDS for w in WORLDS}
+    pairs = {(r["reader"], r["saved_at"], r["loaded_at"]) for r in data["rows"]}
+    assert pairs == {(x, a, w) for x in READERS for a in WORLDS for w in WORLDS}
     for r in data["rows"]:
-        assert r["bytes"] == 1 << 20 and r["load_s"]["n"] == 5
-        assert r["load_s"]["min"] <= r["load_s"]["median"] <= r["load_s"]["max"]
+        assert r["bytes"] == 1 << 20 and r["load_s"]["n"] == 5 and r["cpu_s"]["n"] == 5
+        for timing in (r["load_s"], r["cpu_s"]):
+            assert 0 < timing["min"] <= timing["median"] <= timing["max"]
         assert r["mb_per_s"] == 1 / r["load_s"]["median"]
-    assert len(data["ratios"]) == len(WORLDS) * (len(WORLDS) - 1)
-    assert data["weights_equal"] and isinstance(data["goal_met"], bool)
+    for table in ("ratios", "cpu_ratios", "dcp_reader_ratios"):  # one per resharded pair
+        assert len(data[table]) == len(WORLDS) * (len(WORLDS) - 1)
+        for ratio in data[table].values():
+            assert ratio["n"] == 5 and 0 < ratio["min"] <= ratio["median"] <= ratio["max"]
+    goal = all(r["median"] >= 0.8 for r in data["ratios"].values())
+    assert data["weights_equal"] and data["goal_met"] == goal
     assert (tmp_path / "reshard.png").stat().st_size > 0
     assert not (tmp_path / "reshard-ckpts").exists()
+
+
+def test_paired_ratios_are_taken_round_by_round() -> None:
+    """Round i's same-world time over round i's resharded time: a slow round slows both."""
+    same, resharded = [1.0, 2.0, 4.0, 1.0, 1.0], [2.0, 4.0, 8.0, 1.0, 0.5]
+    assert _paired(same, resharded) == {"median": 0.5, "min": 0.5, "max": 2.0, "n": 5.0}
 
 
 def test_the_weight_check_tells_a_reordered_sum_from_other_weights() -> None:

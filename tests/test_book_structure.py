@@ -342,3 +342,16 @@ def test_no_printed_line_is_wider_than_100_columns(path: Path) -> None:
                 if len(line) > 100
             ]
     assert not wide, f"{path.name}: {len(wide)} lines: {wide[:10]}"
+
+
+def test_the_test_order_table_names_only_files_that_exist() -> None:
+    """tests/conftest.py hands files to the workers longest first from a table of seconds; an
+    entry for a renamed or deleted file would silently stop doing its job."""
+    from conftest import _SECONDS, expected_seconds
+
+    missing = [name for name in _SECONDS if not (ROOT / name).is_file()]
+    assert not missing, f"tests/conftest.py lists files that do not exist: {missing}"
+    assert (
+        expected_seconds("notebooks/10_fault_tolerant_training.ipynb::Cell 3")
+        == _SECONDS["notebooks/10_fault_tolerant_training.ipynb"]
+    )

@@ -2,7 +2,8 @@
 function (several models, caps, first-bucket sizes and both parameter orders) and as a live
 DistributedDataParallel after it rebuilds its buckets from the gradient-ready order. And
 chapter 3's workers (refimpl.demos.buckets): overlap timelines, DDP's own statistics, the
-fp16 hook's error and overflow."""
+fp16 hook's error and overflow, where DDP puts its small first bucket, and a hook that
+forgets to average."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ from torch import nn
 from refimpl.buckets import MB, assign_buckets, bucket_bytes
 from refimpl.demos.buckets import (
     ddp_hook_trace,
+    ddp_small_bucket,
     ddp_statistics,
     fp16_hook_error,
     fp16_overflow,
     grad_scaler_with_fp16_hook,
     timeline,
+    undivided_hook,
 )
 from refimpl.demos.ddp import make_mlp, torch_ddp_buckets
 from refimpl.demos.ddp_details import rebuild_follows_rank0
@@ -123,6 +126,8 @@ def test_traced_timeline_has_a_completion_for_every_launch(tmp_path: Path) -> No
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     from refimpl.buckets import draw_timeline
 
     for impl in ("mini", "naive"):
@@ -130,7 +135,9 @@ def test_traced_timeline_has_a_completion_for_every_launch(tmp_path: Path) -> No
         kinds = [k for _, k, _ in trace["events"]]
         assert kinds.count("launch") == kinds.count("done") == len(trace["buckets"]), impl
         assert kinds.count("grad") == len(trace["names"])
-        draw_timeline(trace).figure.savefig(tmp_path / f"{impl}.png")
+        figure = draw_timeline(trace).figure
+        figure.savefig(tmp_path / f"{impl}.png")
+        plt.close(figure)  # later tests in this process count the open figures
 
 
 def test_fp16_hook_halves_bytes_with_bounded_error() -> None:
@@ -172,3 +179,29 @@ def test_grad_scaler_skips_steps_when_the_fp16_hook_overflows() -> None:
     hooked = spawn(grad_scaler_with_fp16_hook, 2, True, 4, timeout_s=60)[0]
     assert all(s.startswith("step") for s in plain)
     assert hooked[0] == "SKIP (scale 32768)" and hooked[-1].startswith("step")
+
+
+def test_the_small_first_bucket_ends_up_at_either_end() -> None:
+    """Default DDP (25 MB, 1 MB first) on the benchmark's model: rebuilt from the ready order,
+    the 1 MB-capped bucket is the last layer (reduced first); with find_unused_parameters
+    there is no rebuild and it is the first layer's weight (reduced last). A parameter is
+    never split, so the capped bucket holds one 2.25 MB weight either way."""
+    r = spawn(ddp_small_bucket, 2, timeout_s=120)[0]
+    assert r["find_unused_parameters=False"] == (
+        "[38.bias..38.weight: 2.3], [36.bias..14.weight: 27.0], [12.bias..0.weight: 15.8]"
+    )
+    unused = r["find_unused_parameters=True"].split(", ")
+    assert unused[-1] == "[0.weight..0.weight: 2.2]" and len(unused) == 3, unused
+
+
+def test_a_hook_that_does_not_divide_doubles_every_gradient() -> None:
+    for r in spawn(undivided_hook, 2, timeout_s=60):
+        assert r["sum-only == world_size * no hook"] is True
+        assert float(r["max |grad|, sum-only hook"]) > float(r["max |grad|, no hook"]) > 0
+
+
+def test_a_smaller_initial_scale_avoids_the_skipped_steps() -> None:
+    assert (
+        spawn(grad_scaler_with_fp16_hook, 2, True, 3, 1024.0, timeout_s=60)[0]
+        == ["step (scale 1024)"] * 3
+    )

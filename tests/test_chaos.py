@@ -183,3 +183,31 @@ def test_jobs_runs_scenarios_side_by_side_and_keeps_their_order(tmp_path: Path) 
     assert a0 < b1 and b0 < a1, "with jobs=2 the two scenarios' runs overlap in time"
     with pytest.raises(ChaosError, match="jobs must be a whole number >= 1, not 0"):
         run_chaos(_py(_STAMPS_ITS_RUN), kill_on="^started$", compare="w.safetensors", jobs=0)
+
+
+@pytest.mark.timeout(60)
+def test_a_reference_reused_is_compared_and_not_run_again(tmp_path: Path) -> None:
+    first = tmp_path / "first"
+    assert run_chaos(_py(_STAMPS_ITS_RUN), kill_on="^started$", compare="w.safetensors",
+                     scenarios=[], timeout_s=30, work=first) == []  # fmt: skip
+    assert (first / "reference" / "w.safetensors").is_file()
+    again = tmp_path / "again"
+    rows = run_chaos(_py(_STAMPS_ITS_RUN), kill_on="^started$", compare="w.safetensors",
+                     scenarios=["kill-rank1"], timeout_s=30, work=again,
+                     reference=first / "reference")  # fmt: skip
+    assert [(r.scenario, r.equal) for r in rows] == [("kill-rank1", True)]
+    assert sorted(p.name for p in again.iterdir()) == ["kill-rank1"]  # no second reference
+    # A reference that differs is caught: the comparison really uses the file given.
+    other = tmp_path / "other"
+    other.mkdir()
+    head = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    (other / "w.safetensors").write_bytes(len(head).to_bytes(8, "little") + head + b"\0\0\0@")
+    (row,) = run_chaos(_py(_STAMPS_ITS_RUN), kill_on="^started$", compare="w.safetensors",
+                       scenarios=["kill-rank1"], timeout_s=30, reference=other)  # fmt: skip
+    assert not row.equal and row.difference == "w: max abs diff 1", row.difference
+    with pytest.raises(ChaosError, match=r"--reference .*nowhere: no readable w.safetensors"):
+        run_chaos(_py(_STAMPS_ITS_RUN), kill_on="^started$", compare="w.safetensors",
+                  reference=tmp_path / "nowhere")  # fmt: skip
+    assert main(["--kill-on", "^started$", "--compare", "w.safetensors", "--scenarios",
+                 "kill-rank1", "--reference", str(first / "reference"), "--",
+                 *_py(_STAMPS_ITS_RUN)]) == 0  # fmt: skip

@@ -66,3 +66,22 @@ def test_toy_command_runs_the_chosen_variant_under_torchrun(
     assert seen["cmd"] == chaos_runs.toy_command("no-sampler")
     assert seen["compare"] == "final.pt" and seen["env"] == {"A": "1"}
     assert seen["kill_on"] == r"^step 6 loss" and seen["save_on"] == r"^saving step 12"
+
+
+@pytest.mark.timeout(10)
+def test_chaos_report_keeps_every_fact_of_the_table_within_100_columns() -> None:
+    from refimpl.chaos import ChaosRow
+
+    long_path = "Resuming training from /tmp/ch11-abcdefgh/chaos/original/kill-rank1/out/ckpt.pt"
+    rows = [
+        ChaosRow("kill-rank1", "iter 6: loss 3.6343", 1, long_path, False,
+                 "model.transformer.wte.weight: max abs diff 0.00315 " + "x" * 80, 3.0),
+        ChaosRow("kill-rank0-save", "[rank0] step 8 loss 0.714118", 2, "[rank0] resumed",
+                 True, None, 4.0),
+    ]  # fmt: skip
+    text = chaos_runs.chaos_report(rows)
+    assert max(len(line) for line in text.splitlines()) <= 100
+    assert "kill-rank1" in text and "DIFFERS" in text and "bit-identical" in text
+    assert long_path in text and "max abs diff 0.00315" in text  # wrapped, not cut
+    dicts = [dict(vars(r)) for r in rows]  # what --json writes
+    assert chaos_runs.chaos_report(dicts) == text

@@ -36,11 +36,24 @@ def test_alone_it_prints_the_lines_the_kill_test_waits_for(tmp_path: Path) -> No
     assert set(weights) == {"model", "step"} and weights["step"] == 16, list(weights)
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One uninterrupted run under torchrun, shared by the variants: they differ only in what
+    a resume restores, and an uninterrupted run never resumes."""
+    work = tmp_path_factory.mktemp("chaos-reference")
+    assert chaos_toy("ok", scenarios=[], timeout_s=150, work=work) == []
+    return work / "reference"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_correct_trainer_passes_every_scenario_and_leaves_no_process(tmp_path: Path) -> None:
+def test_correct_trainer_passes_every_scenario_and_leaves_no_process(
+    tmp_path: Path, reference: Path
+) -> None:
     tag = uuid.uuid4().hex
-    rows = chaos_toy("ok", timeout_s=150, work=tmp_path, env={"CHAOS_TEST_TAG": tag}, jobs=2)
+    rows = chaos_toy(
+        "ok", timeout_s=150, work=tmp_path, env={"CHAOS_TEST_TAG": tag}, jobs=2, reference=reference
+    )
     table = format_table(rows)
     assert [r.scenario for r in rows] == list(SCENARIOS), table
     assert all(r.equal and r.difference is None for r in rows), table
@@ -53,8 +66,12 @@ def test_correct_trainer_passes_every_scenario_and_leaves_no_process(tmp_path: P
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("variant", ["no-rng", "no-sampler"])
-def test_trainer_that_forgets_state_fails_naming_the_key(variant: str, tmp_path: Path) -> None:
-    rows = chaos_toy(variant, scenarios=["kill-rank1"], timeout_s=150, work=tmp_path)
+def test_trainer_that_forgets_state_fails_naming_the_key(
+    variant: str, tmp_path: Path, reference: Path
+) -> None:
+    rows = chaos_toy(
+        variant, scenarios=["kill-rank1"], timeout_s=150, work=tmp_path, reference=reference
+    )
     (row,) = rows
     assert row.resume == "resumed from step 4", format_table(rows)
     assert not row.equal

@@ -87,3 +87,34 @@ def test_module_runs_from_the_shell() -> None:
     ).stdout
     assert "'all_reduce': [10, 12]" in out
     assert out.count("'int64_equal': True") == 2
+
+
+def test_ring_figure_has_two_rows_of_panels_with_labels_of_at_least_10_pt() -> None:
+    import matplotlib.pyplot as plt
+
+    per_rank = spawn(C.ring_snapshots, 4)
+    fig = C.plot_ring_steps(per_rank)
+    try:
+        assert fig.get_size_inches()[0] <= 7.8  # the book's page is about 780 px wide
+        panels = [ax for ax in fig.axes if ax.images]
+        assert len(panels) == 7
+        assert len({round(ax.get_position().y0, 2) for ax in panels}) == 2
+        labels = [t.get_text() for t in panels[3].texts]
+        assert labels.count("all") == 4  # end of reduce-scatter: one finished chunk per rank
+        sizes = [t.get_fontsize() for ax in fig.axes for t in ax.texts]
+        sizes += [t.get_fontsize() for ax in panels for t in ax.get_xticklabels()]
+        assert min(sizes) >= 10
+    finally:
+        plt.close(fig)
+
+
+def test_a_ring_of_blocking_sends_is_stuck_and_ordering_by_parity_fixes_it() -> None:
+    from refimpl.demos.collectives import blocking_ring
+
+    stuck = spawn(blocking_ring, 3, "send first", timeout_s=60, pg_timeout_s=2)
+    assert all(outcome == "stuck until timeout" for outcome, _ in stuck), stuck
+    assert any(m == "Timed out waiting 2000ms for send operation to complete" for _, m in stuck)
+    fixed = spawn(blocking_ring, 3, "even ranks send first", timeout_s=60, pg_timeout_s=2)
+    assert fixed == [("sum correct", "")] * 3
+    with pytest.raises(ValueError, match="order must be one of"):
+        blocking_ring("recv first")

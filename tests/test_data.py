@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from refimpl.data import ResumableBatches, ResumableSampler
+from refimpl.data import ResumableBatches, ResumableSampler, sample_seed
 from refimpl.demos.resume import count_lost_repeated, resumable_draws
 
 
@@ -262,3 +263,15 @@ def test_the_class_docstring_example_says_what_it_does() -> None:
     rest = list(t)
     assert len(rest) == 8 and [t.is_padding(p) for p in t.positions()].count(True) == 2
     assert sorted(rest[:6]) == sorted(s.permutation().tolist()[4:])
+
+
+def test_sample_seed_is_a_fixed_function_of_seed_epoch_and_index() -> None:
+    assert sample_seed(7, 0, 5) == sample_seed(7, 0, 5)
+    seeds = {sample_seed(s, e, i) for s in (7, 8) for e in (0, 1) for i in range(50)}
+    assert len(seeds) == 2 * 2 * 50 and all(0 <= x < 2**64 for x in seeds)
+    # torch accepts every value as a generator seed, and equal seeds draw equal numbers.
+    draws = [
+        torch.randint(0, 10**6, (3,), generator=torch.Generator().manual_seed(x)).tolist()
+        for x in sorted(seeds)[-2:] * 2
+    ]
+    assert draws[0] == draws[2] and draws[0] != draws[1]

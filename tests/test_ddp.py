@@ -97,14 +97,23 @@ def test_benchmark_writes_json_and_png(tmp_path: Path) -> None:
     from refimpl.bench.ddp import main
 
     argv = ["--out", str(tmp_path), "--repeats", "2", "--steps", "1", "--width", "32"]
-    assert main([*argv, "--depth", "2", "--caps", "1"]) == 0
+    assert main([*argv, "--depth", "2", "--caps", "1", "--profile-repeats", "2"]) == 0
     data = json.loads((tmp_path / "bench_ddp.json").read_text())
-    assert set(data["results"]["1.0"]) == {"naive", "mini", "ddp_view", "ddp_default"}
+    impls = {"naive", "mini_late", "mini", "ddp_view", "ddp_default"}
+    assert set(data["results"]["1.0"]) == impls
+    for impl in impls:
+        result = data["results"]["1.0"][impl]
+        assert len(result["samples"]) == 2 and result["cpu"]["n"] == result["faults"]["n"] == 2
     ratios = data["ratios"]["1.0"]
-    assert set(ratios) == {"mini/ddp_view", "naive/ddp_view", "ddp_default/ddp_view",
-                           "mini/ddp_default"}  # fmt: skip
+    assert set(ratios) == {"mini/ddp_view", "mini_late/ddp_view", "naive/ddp_view",
+                           "ddp_default/ddp_view", "mini/ddp_default"}  # fmt: skip
     for r in ratios.values():
         assert r["q1"] <= r["median"] <= r["q3"] and r["ratio_of_medians"] > 0
+    profile = data["profile"]["ms_per_step"]
+    assert set(profile) == {"MiniDDP before", "MiniDDP", "DDP(view)", "DDP()"}
+    for row in profile.values():
+        assert row["step"] > 0 and row["training thread CPU"] > 0, row
+    assert profile["MiniDDP"]["copies CPU"] > 0
     assert (tmp_path / "bench_ddp.png").stat().st_size > 0
 
 

@@ -71,3 +71,12 @@ def test_join_lets_a_rank_with_fewer_batches_finish() -> None:
         "finished its 3 batches",
         "finished its 2 batches",
     ]
+
+
+def test_sum_order_depends_on_the_layout_from_three_ranks_on() -> None:
+    from refimpl.demos.ddp_details import sum_order_by_layout
+
+    two = spawn(sum_order_by_layout, 2, timeout_s=60)[0]
+    assert set(two.values()) == {0}  # a + b == b + a: two ranks never differ
+    three = spawn(sum_order_by_layout, 3, timeout_s=60)[0]
+    assert three["in two buckets"] > 0 and max(three.values()) <= 1000, three

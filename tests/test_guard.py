@@ -71,6 +71,24 @@ def test_each_kind_of_disagreement_is_caught_on_every_rank(
         assert shown in res["calls"][1] and shown not in res["calls"][0]
 
 
+def test_one_rank_out_of_three_disagreeing_stops_all_three() -> None:
+    # each rank compares every rank's gathered fingerprint with its own: the two that agree
+    # with each other still see the third
+    ok, a, b = (
+        (AR, "first", [1], "float32"),
+        (AR, "val/acc", [2], "float64"),
+        (AR, "val/f1", [2], "float64"),
+    )
+    results = _run([[ok, a], [ok, a], [ok, b]], world=3)
+    for rank, res in enumerate(results):
+        assert res["done"] == 1 and f"(this is rank {rank})" in res["error"], res
+        assert [c.split(" ", 2)[2] for c in res["calls"]] == [
+            "call #1 all_reduce (SUM) 'val/acc' float64[2]",
+            "call #1 all_reduce (SUM) 'val/acc' float64[2]",
+            "call #1 all_reduce (SUM) 'val/f1' float64[2]",
+        ]
+
+
 def test_a_rank_with_fewer_calls_is_reported_with_each_ranks_last_call() -> None:
     a = (AR, "seg/loss", [2], "float64")
     results = _run([[a, a, (AR, "seg/boundary", [2], "float64")], [a, a]])
@@ -78,7 +96,17 @@ def test_a_rank_with_fewer_calls_is_reported_with_each_ranks_last_call() -> None
     err = results[0]["error"]
     # rank 1 had left: rank 0's exchange failed at once, and says so (not "waited 3 s")
     assert "rank 0 reached all_reduce 'seg/boundary' (call #2) after its peers had left" in err
-    assert "rank 1 last recorded: rank 1: call #1 all_reduce (SUM) 'seg/loss'" in err
+    # rank 1 left no record: its last call is the last one every rank passed together
+    assert "rank 1 last passed call #1 all_reduce (SUM) 'seg/loss' float64[2], then no" in err
+    assert results[0]["calls"] == [
+        "rank 0: call #2 all_reduce (SUM) 'seg/boundary' float64[2]",
+        "rank 1: call #1 all_reduce (SUM) 'seg/loss' float64[2]",
+    ]
+
+
+def test_calls_that_agree_leave_nothing_in_the_store() -> None:
+    # the store is written only by a rank whose exchange failed: no round trip per call
+    assert spawn(_guard_workers.store_keys_after_agreeing_calls, 2, 5) == [[], []]
 
 
 def test_guard_off_is_a_plain_collective() -> None:
@@ -162,3 +190,43 @@ def test_a_rank_arriving_after_its_peers_gave_up_says_so() -> None:
                     r"after its peers gave up", rank0)  # fmt: skip
     assert head is not None, rank0
     assert float(head.group(1)) >= 1.5  # it slept 2.5 s before the call that rank 1 made at once
+    # rank 1 left its call in the store when it gave up; rank 0's report shows it
+    assert "rank 1: call #0 all_reduce (SUM) 'after/save' float32[1]  <- waited here, gave up" in (
+        rank0
+    )
+
+
+# --- issue 22 item 4: a small all-reduce travels inside the check -------------------------
+
+
+def test_a_carried_all_reduce_gives_what_dist_all_reduce_gives_on_every_rank() -> None:
+    ops = ["SUM", "PRODUCT", "MIN", "MAX"]
+    dtypes = ["float64", "float32", "float16", "bfloat16", "int64", "int32", "int8", "uint8"]
+    two = spawn(_guard_workers.carried_against_plain, 2, ops, dtypes, timeout_s=60)
+    # two ranks: a + b in either order, so bit for bit what gloo gives
+    assert all(equal for _, _, equal, _ in two[0] + two[1]), [r for r in two[0] if not r[2]]
+    three = spawn(_guard_workers.carried_against_plain, 3, ops, ["float64", "int64"])
+    # three ranks: the same bits on every rank (summed in rank order on each)
+    assert three[0] == three[1] == three[2]
+    assert all(equal for op, dtype, equal, _ in three[0] if dtype == "int64" or op != "SUM")
+
+
+def test_a_guarded_metric_all_reduce_is_one_collective() -> None:
+    counts = spawn(_guard_workers.collectives_per_guarded_call, 2)
+    for c in counts:
+        # the 16 B calls: one all-gather each; 1 MiB: the check, then the all-reduce, in the
+        # guard's own group (a CPU tensor); nothing in WORLD, where unguarded calls go
+        assert c == {"other gloo:all_gather": 4, "other gloo:all_reduce": 1}, c
+
+
+def test_the_device_is_part_of_the_fingerprint() -> None:
+    cpu = _fingerprint(0, "all_reduce", "m", torch.zeros(2), 0)
+    meta = _fingerprint(0, "all_reduce", "m", torch.zeros(2, device="meta"), 0)
+    assert cpu != meta  # a CPU tensor carried on one rank, a CUDA one reduced on another: caught
+    assert str(_decode(0, meta)) == "rank 0: call #0 all_reduce (SUM) 'm' meta:float32[2]"
+    assert str(_decode(0, cpu)) == "rank 0: call #0 all_reduce (SUM) 'm' float32[2]"
+
+
+def test_carried_all_reduce_of_views_and_tensors_that_require_grad() -> None:
+    for res in spawn(_guard_workers.carried_odd_tensors, 2):
+        assert res == [True, True, True, True]

@@ -404,48 +404,59 @@ def test_the_time_limit_covers_start_up() -> None:
 # --- Issue 18: a restarted attempt on torchrun's shared store ------------------------------
 
 
-def _attempt_worker(port: int, rank: int, attempt: int, delay_s: float) -> subprocess.Popen[str]:
-    """One worker as torchrun (torch 2.13, shared store) starts it: init_from_env, one
-    all-reduce, then ``os._exit`` without tearing the group down, as a killed worker leaves
-    it. The store at ``port`` stands for the agent's, which outlives every attempt."""
-    code = (
-        f"import os, time, torch, torch.distributed as dist\ntime.sleep({delay_s})\n"
-        "from refimpl.launch import init_from_env\ninit_from_env('gloo', timeout_s=8)\n"
-        "t = torch.ones(1); dist.all_reduce(t); print(int(t.item()), flush=True); os._exit(0)\n"
-    )
-    env = {
-        **{k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"},
+def _attempt_env(port: int, rank: int, attempt: int) -> dict[str, str]:
+    """What torchrun (torch 2.13, shared store) gives a worker of attempt ``attempt``; the
+    store at ``port`` stands for the agent's, which outlives every attempt."""
+    return {
         **dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2"),
         **dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
         **dict(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT=str(attempt)),
     }
-    return subprocess.Popen(
-        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(170)
-def test_restarted_attempts_never_read_a_dead_attempts_keys() -> None:
+def test_restarted_attempts_never_read_a_dead_attempts_keys(tmp_path: Path) -> None:
     """Attempts 1-5 meet on the store attempt 0 wrote to, as under torchrun; in each, one rank
     starts late, so the other finds the dead attempt's addresses there first. Whether gloo
     then connects to a dead port or both sides wait to be connected to depends on how the
-    addresses compare, so a few attempts in a row are what catches it."""
+    addresses compare, so a few attempts in a row are what catches it. Each worker is a new
+    process forked from the launcher's fork server (torch imported, no group ever made)."""
+    import multiprocessing as mp
+
+    from _workers import restarted_attempt
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
+    from refimpl.launch import _forkserver_preload
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_forkserver_preload())
     agent_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     for attempt in range(6):
         late = attempt % 2 if attempt else -1
-        delays = [2.0 if r == late else 0.0 for r in range(2)]
-        procs = [_attempt_worker(agent_store.port, r, attempt, delays[r]) for r in range(2)]
+        results = [tmp_path / f"attempt{attempt}.rank{r}" for r in range(2)]
+        procs = [
+            ctx.Process(
+                target=restarted_attempt,
+                args=(
+                    _attempt_env(agent_store.port, r, attempt),
+                    2.0 if r == late else 0.0,
+                    str(results[r]),
+                ),
+            )
+            for r in range(2)
+        ]
         try:
-            outs = [p.communicate(timeout=60) for p in procs]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(timeout=60)
         finally:
             for p in procs:
                 p.kill()
-        for r, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
-            assert (p.returncode, out.strip()) == (0, "2"), f"attempt {attempt} rank {r}: {err}"
+        for r, (p, result) in enumerate(zip(procs, results, strict=True)):
+            said = result.read_text() if result.exists() else "(nothing)"
+            assert (p.exitcode, said) == (0, "2"), f"attempt {attempt} rank {r}: {said}"
 
 
 @pytest.mark.timeout(30)
@@ -497,11 +508,18 @@ def test_fork_server_preloads_dcp_only_where_this_process_uses_it(
 
     from refimpl.launch import _forkserver_preload
 
-    assert _forkserver_preload() == ["torch", "torch.distributed", "torch.distributed.checkpoint",
+    base = ["torch", "torch.distributed", "torch._dynamo"]
+    assert _forkserver_preload() == [*base, "torch.distributed.checkpoint",
                                      "torch.distributed.fsdp", "refimpl._rank_process"]  # fmt: skip
     for name in ("torch.distributed.checkpoint", "torch.distributed.fsdp"):
         monkeypatch.delitem(sys.modules, name)  # a chapter that never shards
-    assert _forkserver_preload() == ["torch", "torch.distributed", "refimpl._rank_process"]
+    assert _forkserver_preload() == [*base, "refimpl._rank_process"]
+
+
+def test_a_rank_finds_what_ddp_imports_already_imported() -> None:
+    """DistributedDataParallel's constructor imports torch._dynamo (torch 2.13): a rank forked
+    from the server has it, and wrapping a model imports nothing heavy again."""
+    assert spawn(_workers.modules_imported_by_ddp, 2, timeout_s=60) == [(True, [])] * 2
 
 
 # --- Issue 25 item 2: a torchrun worker whose agent is gone does not train on alone ----------

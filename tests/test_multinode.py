@@ -5,6 +5,7 @@ a whole node goes on alone and trains every sample of the interrupted epoch exac
 
 from __future__ import annotations
 
+import socket
 from collections import Counter
 from pathlib import Path
 
@@ -13,7 +14,9 @@ import pytest
 from refimpl.demos.multinode import (
     agent_command,
     elastic_loss,
+    ephemeral_range,
     fixed_restart,
+    free_port,
     rank0_attempts,
     trained_once,
 )
@@ -35,6 +38,22 @@ def test_each_node_meets_at_one_c10d_endpoint_and_only_a_serves_the_store() -> N
     conf_b = next(c for c in b if c.startswith("--rdzv-conf="))
     assert "last_call_timeout=1" in conf_a and "keep_alive_interval=1" in conf_a
     assert conf_a.endswith("is_host=1") and conf_b.endswith("is_host=0")
+
+
+@pytest.mark.timeout(10)
+def test_the_rendezvous_port_is_one_the_kernel_never_hands_out_unasked() -> None:
+    # Issue 25's flake: a port from bind(("127.0.0.1", 0)) is ephemeral; in the seconds before
+    # node a's torchrun listens on it, any process that connects anywhere can be given it as
+    # its local port, and then a fails with EADDRINUSE and b waits 60 s for nothing.
+    first, last = ephemeral_range()
+    assert 1024 <= first <= last <= 65535
+    ports = {free_port() for _ in range(30)}
+    assert not any(first <= p <= last for p in ports), (sorted(ports), first, last)
+    assert not any(29000 <= p < 30000 for p in ports)  # torchrun's customary ports
+    assert len(ports) > 20  # drawn at random: two harnesses at once rarely pick one port
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("", port))  # still free: nothing listens there
 
 
 @pytest.mark.timeout(10)

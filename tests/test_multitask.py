@@ -82,3 +82,40 @@ def test_metric_values_are_deterministic_and_bounded() -> None:
     assert all(0 <= v < 1 for v in vals) and len(set(vals)) > 100
     with pytest.raises(ValueError):
         mt.metric_value("cls", "iou", 0)  # cls has no iou task
+
+
+def test_naive_draws_are_the_loops_draws_and_tasks_can_be_given() -> None:
+    twin = spawn(mt.multitask_loop, 2, 8, kwargs={"datasets": ("cls", "det")}, timeout_s=40)
+    for r in twin:
+        per_step = {c["step"]: c["name"].split("/")[0] for c in r["calls"]}
+        assert [per_step[s] for s in range(8)] == mt.naive_draws(r["rank"], 8, ("cls", "det"))
+    tasks = {"cls": ("loss", "acc"), "det": ("loss", "map", "recall")}
+    kwargs = {"datasets": ("cls", "det"), "tasks": tasks, "guard": True}
+    guarded = spawn(mt.multitask_loop, 2, 8, kwargs=kwargs, timeout_s=40)
+    # predicted without running: each rank's call names from its draws and the tasks
+    expected = [
+        [f"{d}/{t}" for d in mt.naive_draws(rank, 8, ("cls", "det")) for t in tasks[d]]
+        for rank in (0, 1)
+    ]
+    first = next(i for i, (a, b) in enumerate(zip(*expected, strict=False)) if a != b)
+    for r in guarded:
+        assert r["error"].startswith(f"CollectiveMismatch: ranks disagree on collective #{first}")
+        assert [c["name"] for c in r["calls"]] == expected[r["rank"]][: first + 1]
+    assert mt.metric_value("det", "recall", 3, tasks) != mt.metric_value("det", "map", 3, tasks)
+
+
+def test_skipping_a_guarded_call_is_a_mismatch_unless_it_is_the_last() -> None:
+    middle = spawn(mt.skip_a_guarded_call, 2, "val/acc", timeout_s=40)
+    assert all("ranks disagree on collective #1" in e for e in middle), middle
+    assert "rank 0: call #1 all_reduce (SUM) 'val/acc' float64[2]" in middle[1]
+    assert "rank 1: call #1 all_reduce (SUM) 'val/f1' float64[2]" in middle[1]
+    last = spawn(mt.skip_a_guarded_call, 2, "val/f1", timeout_s=40)
+    assert last[1] == "no error"  # rank 1 made both its calls and left
+    assert "all_reduce 'val/f1' (call #2)" in last[0].splitlines()[0], last[0]
+    assert "rank 1 last passed call #1 all_reduce (SUM) 'val/acc'" in last[0], last[0]
+
+
+def test_wrap_folds_every_line() -> None:
+    text = "short\n" + "word " * 40
+    assert all(len(line) <= 96 for line in mt.wrap(text).splitlines())
+    assert mt.wrap(text).splitlines()[0] == "short"

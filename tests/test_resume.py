@@ -6,17 +6,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import TensorDataset
 
-from refimpl.data import ResumableSampler
 from refimpl.demos.resume import (
     count_lost_repeated,
-    loader_stop_resume,
+    ddp_gradient_at_float32_max,
     lost_repeated_table,
     minimind_draws,
+    minimind_sizes,
     resume_experiment,
-    stateful_dataloader_resume,
 )
+from refimpl.launch import spawn
 
 
 def test_minimind_conversion_repeats_rounded_away_steps() -> None:
@@ -37,33 +36,25 @@ def test_table_resumable_columns_are_zero() -> None:
     assert any(r["minimind repeated"] > 0 for r in rows)
 
 
-def test_stateful_dataloader_exact_same_world_size_not_across() -> None:
-    assert stateful_dataloader_resume(96, 4, 2, 2, 5, num_workers=2) == (0, 0)
-    lost, repeated = stateful_dataloader_resume(96, 4, 2, 4, 5)
-    assert (lost, repeated) != (0, 0)
+def test_minimind_sizes_follow_the_model_shapes() -> None:
+    mm = minimind_sizes()
+    # Counted while writing chapter 6: MiniMindForCausalLM(MiniMindConfig(hidden_size=512)) from
+    # jingyaogong/minimind model/model_minimind.py at e8484874, sum of p.numel() over
+    # model.parameters() (the tied embedding/lm_head once).
+    assert mm["params"] == 25_829_888
+    tied = 6400 * 512
+    assert mm["weights_fp16"] == 2 * (mm["params"] + tied)  # .half() copies the tied matrix
+    assert mm["resume_fp32"] == 12 * mm["params"]  # fp32 weights + AdamW's two moments
+    assert mm["resume_fp16"] == mm["weights_fp16"] + 8 * mm["params"]
+    # Another width changes every term: hidden 768 gives a 2048-wide MLP (64 * ceil(2048/64)).
+    assert minimind_sizes(hidden=768)["params"] > mm["params"]
 
 
-@pytest.mark.parametrize("save", ["batches_done", "stateful"])
-def test_loader_with_workers_resumes_where_training_stopped(save: str) -> None:
-    # 46 samples, global batch 2 x 3 = 6: the last global batch has 2 positions of padding.
-    data = TensorDataset(torch.arange(46))
-    for rank in range(2):
-        r = loader_stop_resume(
-            data, batch_size=3, rank=rank, world_size=2, stop_after=3, save=save, seed=1
-        )
-        assert r["first"] == r["full"][:3] and r["rest"] == r["full"][3:]
-        # Workers prefetched 2 x 2 batches ahead of the 3 consumed: the sampler ran ahead.
-        assert r["sampler_ahead"]["position"] == 7 * 6
-    s = ResumableSampler(46, batch_size=3, rank=1, world_size=2, seed=1)
-    assert [p for p in s.positions() if s.is_padding(p)] == [46, 47]
-
-
-def test_loader_saving_the_sampler_count_loses_prefetched_batches() -> None:
-    r = loader_stop_resume(
-        TensorDataset(torch.arange(46)), batch_size=3, rank=0, world_size=2, stop_after=3,
-        save="sampler_count", seed=1,
-    )  # fmt: skip
-    assert r["rest"] == r["full"][7:] and len(r["full"]) == 8
+def test_ddp_divides_by_the_world_size_before_the_all_reduce_sums() -> None:
+    results = spawn(ddp_gradient_at_float32_max, 2, timeout_s=120)
+    for r in results:
+        assert r["sum_then_divide"] == float("inf")  # 3e38 + 3e38 overflows float32
+        assert r["ddp"] == pytest.approx(3e38, rel=1e-6)  # 3e38 / 2 + 3e38 / 2 does not
 
 
 @pytest.mark.slow

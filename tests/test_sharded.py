@@ -148,6 +148,9 @@ def test_load_falls_back_past_damaged_steps_and_says_why(tmp_path: Path) -> None
     # A step directory named explicitly is loaded or refused, never swapped for another.
     with pytest.raises(ShardedCheckpointError, match="xxh3_128"):
         load_sharded(tmp_path / "step_00000004", target, target_opt)
+    with pytest.raises(ShardedCheckpointError, match="Pass the checkpoint directory") as info:
+        load_sharded(tmp_path / "step_00000002", target, target_opt)
+    assert str(info.value).count("step_00000002") == 1, str(info.value)  # named once
     assert load_sharded(tmp_path / "step_00000001", target) == 1  # model only
     with pytest.raises(ShardedCheckpointError, match="does not exist"):
         load_sharded(tmp_path / "nothing_here", target)
@@ -204,10 +207,8 @@ def test_resharding_4_to_2_and_3_equals_the_unsharded_reference(tmp_path: Path) 
     lines = resharding_demo(tmp_path)
     assert lines == [
         "saved step 3 at 4 ranks; rows of 0.weight per rank: [5, 5, 5, 5]",
-        "loaded at 2 ranks: step 3, rows per rank [10, 10], max |diff| vs unsharded: "
-        "model 0, optimizer 0",
-        "loaded at 3 ranks: step 3, rows per rank [7, 7, 6], max |diff| vs unsharded: "
-        "model 0, optimizer 0",
+        "loaded at 2 ranks: step 3, rows per rank [10, 10]; max |diff|: model 0, optimizer 0",
+        "loaded at 3 ranks: step 3, rows per rank [7, 7, 6]; max |diff|: model 0, optimizer 0",
     ]
     # The 4-rank FSDP2 checkpoint, read in this process without any process group:
     reference = safe_load(tmp_path / "unsharded.pt")

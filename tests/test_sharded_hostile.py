@@ -259,11 +259,19 @@ def test_a_full_disk_during_a_sharded_save_is_named(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_each_rank_verifies_the_shards_it_reads(tmp_path: Path) -> None:
+@pytest.mark.parametrize("racy_s", [None, 0.2], ids=["just-saved", "seen-by-rank-0"])
+def test_each_rank_verifies_the_shards_it_reads(tmp_path: Path, racy_s: float | None) -> None:
+    """Whether rank 1 hashes its file itself (just saved) or relies on rank 0's record of it
+    (`refimpl._sharded_seen`), a byte changed after rank 0's check is caught on rank 1."""
     from _sharded_workers import shard_changed_after_rank0_checked
 
     results = spawn(
-        shard_changed_after_rank0_checked, 2, str(tmp_path), timeout_s=100, pg_timeout_s=30
+        shard_changed_after_rank0_checked,
+        2,
+        str(tmp_path),
+        racy_s,
+        timeout_s=100,
+        pg_timeout_s=30,
     )
     for rank, (step, diff, skipped) in enumerate(results):
         # before: step 2 loaded on both ranks, rank 1 with the changed bytes
@@ -324,3 +332,39 @@ def test_a_model_with_a_layer_removed_or_added_is_refused(tmp_path: Path) -> Non
         ShardedCheckpointError, match=r"missing from the checkpoint \['model.3.bias'"
     ):
         load_sharded(tmp_path, more)
+
+
+@pytest.mark.timeout(60)
+def test_only_the_file_rank_0_hashed_unchanged_on_this_machine_is_not_hashed_again(
+    tmp_path: Path,
+) -> None:
+    """The reader of a step rank 0 verified skips its own hash only for an unchanged file
+    rank 0 looked at more than RACY_S after its last change; otherwise it hashes (and a
+    change is caught)."""
+    import time
+
+    import refimpl._sharded_load as load_module
+    import refimpl._sharded_seen as seen_module
+    from refimpl._sharded_read import VerifyingReader
+
+    readers: list[VerifyingReader] = []
+
+    class Recording(VerifyingReader):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            readers.append(self)
+
+    model, opt = trained()
+    step_dir = save_sharded(tmp_path, model, opt, 1)
+    with mock.patch.object(load_module, "VerifyingReader", Recording):
+        load_sharded(tmp_path, *fresh())  # just saved: racy, hashed
+        time.sleep(0.3)
+        with mock.patch.object(seen_module, "RACY_S", 0.2):
+            target, target_opt = fresh()
+            assert load_sharded(tmp_path, target, target_opt) == 1  # rank 0's record holds
+            reference = full_state(model, opt)
+            assert max_abs_diff(full_state(target, target_opt), reference) == 0.0
+            shard_file = step_dir / "__0_0.distcp"
+            shard_file.write_bytes(shard_file.read_bytes())  # same bytes, a new ctime
+            assert load_sharded(tmp_path, *fresh()) == 1
+    assert [r.hashed for r in readers] == [["__0_0.distcp"], [], ["__0_0.distcp"]]

@@ -289,6 +289,8 @@ def test_parse_log_and_attempts() -> None:
     matplotlib.use("Agg")
     ax = plot_attempts(attempts(events))
     assert [t.get_text() for t in ax.get_yticklabels()] == ["attempt 0", "attempt 1"]
+    label_x = {t.get_text(): t.get_position()[0] for t in ax.texts}
+    assert label_x["fault on rank 1 at step 3"] > 3.4  # right of the cross at step 3, not on it
 
 
 # --- Issue 18: the README's command, as printed, with no setting in the environment --------

@@ -21,6 +21,7 @@ from refimpl import __version__
 from refimpl._dcp_metadata import SHARD_NAME_RE, UnsafeMetadata, check_metadata
 from refimpl._manifest import MAX_MANIFEST_BYTES, loadable_name
 from refimpl._regular_file import is_regular, open_regular, read_regular
+from refimpl._sharded_seen import Seen, after_hashing, before_hashing
 from refimpl.atomic import (
     COMMIT_MARKER,
     DIGESTS,
@@ -129,7 +130,17 @@ def read_manifest(step_dir: Path) -> tuple[dict[str, Any], dict[str, tuple[int, 
     return manifest, expected
 
 
-def verify_step(step_dir: Path) -> dict[str, Any]:
+def _digest_seen(path: Path) -> tuple[str, Seen | None]:
+    """``path``'s digest, and the `Seen` record of the descriptor it was read from."""
+    with os.fdopen(open_regular(path), "rb") as f:  # no FIFO, device, link
+        seen = before_hashing(f.fileno())
+        digest = DIGESTS[DIGEST]()
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+        return digest.hexdigest(), after_hashing(f.fileno(), seen)
+
+
+def verify_step(step_dir: Path, seen: dict[str, Seen] | None = None) -> dict[str, Any]:
     """Check a sharded step without unpickling anything DCP-made; return its manifest.
 
     Marker, manifest (format, plain DCP file names only), every listed file present and no
@@ -138,9 +149,11 @@ def verify_step(step_dir: Path) -> dict[str, Any]:
     finally ``.metadata`` through the allowlist unpickler (`check_metadata`), which also
     checks that every item points inside a listed shard. Raises `CheckpointError` naming the
     step or file and the first problem; any other error a crafted step provokes becomes one.
+    ``seen``, if given, receives the `refimpl._sharded_seen.Seen` record of each data file
+    hashed here (for `refimpl.sharded.load_sharded`'s other ranks).
     """
     try:
-        return _verify_step(step_dir)
+        return _verify_step(step_dir, {} if seen is None else seen)
     except CheckpointError:
         raise
     except (KeyboardInterrupt, SystemExit, MemoryError):
@@ -151,7 +164,7 @@ def verify_step(step_dir: Path) -> dict[str, Any]:
         ) from exc
 
 
-def _verify_step(step_dir: Path) -> dict[str, Any]:
+def _verify_step(step_dir: Path, seen: dict[str, Seen]) -> dict[str, Any]:
     if not is_regular(step_dir / COMMIT_MARKER):
         raise CheckpointError(step_dir, f"incomplete: no {COMMIT_MARKER} marker (save unfinished)")
     manifest, expected = read_manifest(step_dir)
@@ -175,8 +188,11 @@ def _verify_step(step_dir: Path) -> dict[str, Any]:
             size = path.stat().st_size
             if size != nbytes:
                 raise CheckpointError(path, f"size {size} bytes, manifest says {nbytes}")
-            if digest_files(step_dir, [name])[name][DIGEST] != digest:
+            got, record = _digest_seen(path)
+            if got != digest:
                 raise CheckpointError(path, f"{DIGEST} differs from the manifest (corrupted bytes)")
+            if record is not None and name != METADATA:
+                seen[name] = record
         except OSError as exc:
             raise CheckpointError(path, f"cannot be read ({exc})") from exc
     sizes = {name: size for name, (size, _d) in expected.items() if name != METADATA}

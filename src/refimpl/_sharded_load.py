@@ -29,6 +29,7 @@ from refimpl._sharded_commit import METADATA, Expected
 from refimpl._sharded_errors import LOAD_ADVICE, ShardedCheckpointError, dcp_errors
 from refimpl._sharded_group import Group, quiet_no_dist
 from refimpl._sharded_read import VerifyingReader, WeightsOnlyLoadPlanner, _few, check_keys
+from refimpl._sharded_seen import Seen
 
 logger = logging.getLogger("refimpl.sharded")
 
@@ -101,11 +102,13 @@ def load_step(
     optimizer: torch.optim.Optimizer | None,
     state: Mapping[str, Any] | None = None,
     exclude: Sequence[str | re.Pattern[str]] = (),
+    seen: Mapping[str, Seen] | None = None,
 ) -> None:
     """Load ``step_dir`` into ``model``, ``optimizer`` and ``state``. A step refused before
     anything was loaded raises `ShardedCheckpointError` with ``unsafe`` set (the caller falls
     back); a step that does not fit raises one without. ``exclude``d model entries (and
-    their optimizer state) are not planned, so DCP never reads them, and keep their values."""
+    their optimizer state) are not planned, so DCP never reads them, and keep their values.
+    ``seen``: rank 0's records of the files it hashed (`refimpl._sharded_seen`)."""
     sizes = {name: size for name, (size, _d) in expected.items() if name != METADATA}
     metadata = None
     try:
@@ -150,7 +153,7 @@ def load_step(
     with dcp_errors(step_dir, what, group.rank, LOAD_ADVICE), quiet_no_dist(group):
         dcp_load(
             planned,
-            storage_reader=VerifyingReader(step_dir, expected, metadata),
+            storage_reader=VerifyingReader(step_dir, expected, metadata, seen),
             planner=WeightsOnlyLoadPlanner(),
             **group.dcp_kwargs(),
         )

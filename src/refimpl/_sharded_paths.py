@@ -19,13 +19,17 @@ from typing import Any
 
 from refimpl._regular_file import is_regular
 from refimpl._sharded_commit import Expected, verify_step
+from refimpl._sharded_seen import Seen
 from refimpl.atomic import COMMIT_MARKER
 from refimpl.checkpoint import _STEP_RE, MANIFEST, CheckpointError, list_checkpoints
 
-Choice = tuple[int | None, str | None, list[tuple[str, str]], str | None, bool, Expected, int]
+Choice = tuple[
+    int | None, str | None, list[tuple[str, str]], str | None, bool, Expected, int, dict[str, Seen]
+]
 """What rank 0 tells every rank to load: ``(step, step dir, [(skipped dir, why)], fatal
 error, whether ``path`` named one step, the verified manifest's {file: (bytes, digest)}, the
-world size that saved it (0 when unknown))``."""
+world size that saved it (0 when unknown), {data file: what rank 0 saw of it while hashing
+it} (`refimpl._sharded_seen`))``."""
 
 _FILE_KIND = "not a sharded step"  # how verify_step words a refimpl.checkpoint manifest
 
@@ -35,7 +39,7 @@ def _expected(manifest: dict[str, Any]) -> Expected:
 
 
 def _fatal(message: str, single: bool = False) -> Choice:
-    return None, None, [], message, single, {}, 0
+    return None, None, [], message, single, {}, 0, {}
 
 
 def _world(manifest: dict[str, Any]) -> int:
@@ -61,10 +65,12 @@ def _empty_root(path: Path) -> str | None:
 def choose_step(path: Path, below: int | None = None) -> Choice:
     """Rank 0: the newest step of ``path`` (older than ``below``) that verifies."""
     if _STEP_RE.fullmatch(path.name) or (path / MANIFEST).exists():
+        seen: dict[str, Seen] = {}
         try:
-            manifest = verify_step(path)
-        except CheckpointError as exc:
-            return _fatal(f"{exc}. Pass the checkpoint directory to fall back", single=True)
+            manifest = verify_step(path, seen)
+        except CheckpointError as exc:  # the error names the step: say it once
+            reason = exc.reason if exc.path == path else str(exc)
+            return _fatal(f"{reason}. Pass the checkpoint directory to fall back", single=True)
         return (
             int(manifest["step"]),
             str(path),
@@ -73,20 +79,31 @@ def choose_step(path: Path, below: int | None = None) -> Choice:
             True,
             _expected(manifest),
             _world(manifest),
+            seen,
         )
     steps = list_checkpoints(path)
     if not steps:
         why = _empty_root(path)
-        return _fatal(why) if why else (None, None, [], None, False, {}, 0)
+        return _fatal(why) if why else (None, None, [], None, False, {}, 0, {})
     skipped: list[tuple[str, str]] = []
     committed_bad = below is not None  # the step refused at load time was committed
     file_kind = 0
     for step, step_dir in reversed(steps):
         if below is not None and step >= below:
             continue
+        seen = {}
         try:
-            manifest = verify_step(step_dir)  # every error inside is a CheckpointError: a skip
-            return step, str(step_dir), skipped, None, False, _expected(manifest), _world(manifest)
+            manifest = verify_step(step_dir, seen)  # each error inside is a CheckpointError: skip
+            return (
+                step,
+                str(step_dir),
+                skipped,
+                None,
+                False,
+                _expected(manifest),
+                _world(manifest),
+                seen,
+            )
         except CheckpointError as exc:
             reason = exc.reason if exc.path == step_dir else str(exc)
             skipped.append((str(step_dir), reason))
@@ -108,5 +125,6 @@ def choose_step(path: Path, below: int | None = None) -> Choice:
             False,
             {},
             0,
+            {},
         )
-    return None, None, skipped, None, False, {}, 0
+    return None, None, skipped, None, False, {}, 0, {}

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -19,7 +20,7 @@ import re
 from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, ClassVar
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -33,6 +34,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from refimpl._regular_file import open_regular
+from refimpl._sharded_ranges import read_ranges
+from refimpl._sharded_seen import Seen, unchanged
 from refimpl.atomic import DIGESTS
 from refimpl.checkpoint import DIGEST
 
@@ -69,7 +72,7 @@ class VerifyingReader(FileSystemReader):
     ``expected`` is the manifest rank 0 verified, ``{file: (bytes, digest)}``, and
     ``metadata`` the ``.metadata`` every rank already unpickled through the allowlist.
 
-    Why each rank hashes its own files rather than trusting rank 0's check: ranks on other
+    Why each rank checks its own files rather than trusting rank 0's check: ranks on other
     nodes may read another copy (node-local disks, caches, a file replaced after the check).
     Why from the same open file: a hash of the path followed by a later open could read a
     file swapped in between. In `prepare_local_plan` (which DCP runs on every rank before
@@ -77,15 +80,32 @@ class VerifyingReader(FileSystemReader):
     a regular file, checks size and digest through that descriptor, and keeps it open;
     ``read_data`` then reads from those descriptors only. A mismatch on any rank therefore
     fails the plan exchange on every rank before a single tensor is copied, and
-    `refimpl.sharded.load_sharded` falls back to an older step. The cost: each rank reads its
-    files twice (once to hash, once to load; the second read is usually from the page cache).
+    `refimpl.sharded.load_sharded` falls back to an older step.
+
+    ``seen`` (`refimpl._sharded_seen`): what rank 0 recorded of each file while hashing it.
+    A descriptor that shows, on rank 0's machine, the same inode with the same size and
+    times is the file rank 0 hashed, unchanged: it is not hashed again. Any other (another
+    machine, another inode, a write since, a file changed just before rank 0 looked) is.
+    The cost of the hash is all of a file, even when this rank reads a few of its rows.
     """
 
+    legacy_reads: ClassVar[bool] = False
+    """True: read as refimpl did before `refimpl._sharded_ranges` and `seen`: every file
+    hashed by every rank that reads it, every item through DCP's own per-item path
+    (``python -m refimpl.bench reshard`` measures both ways side by side)."""
+
     def __init__(
-        self, step_dir: Path, expected: Mapping[str, tuple[int, str]], metadata: Metadata
+        self,
+        step_dir: Path,
+        expected: Mapping[str, tuple[int, str]],
+        metadata: Metadata,
+        seen: Mapping[str, Seen] | None = None,
     ) -> None:
         super().__init__(step_dir)
         self._expected = dict(expected)
+        self._seen = dict(seen or {})
+        self.hashed: list[str] = []
+        """The files this rank hashed itself (the others: unchanged since rank 0 did)."""
         self._metadata = metadata
         self._opened: dict[str, IO[bytes]] = {}
         self.fs = _VerifiedFiles(self._opened)
@@ -114,6 +134,10 @@ class VerifyingReader(FileSystemReader):
         size, digest = self._expected[name]
         f = os.fdopen(open_regular(Path(self.path) / name), "rb")
         try:
+            seen = None if self.legacy_reads else self._seen.get(name)
+            if unchanged(f.fileno(), seen) and os.fstat(f.fileno()).st_size == size:
+                return f  # the very file rank 0 just hashed on this machine, not changed since
+            self.hashed.append(name)
             hasher = DIGESTS[DIGEST]()
             got = 0
             while chunk := f.read(_CHUNK):
@@ -130,10 +154,25 @@ class VerifyingReader(FileSystemReader):
         return f
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read the plan from the verified files, each tensor item's needed bytes only
+        (`refimpl._sharded_ranges`); what that cannot place goes through DCP's own path."""
         try:
-            return super().read_data(plan, planner)
+            if self.legacy_reads:
+                return super().read_data(plan, planner)
+            left = read_ranges(self._verified, self.storage_data, plan.items, planner)
+            if left:
+                return super().read_data(dataclasses.replace(plan, items=left), planner)
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
         finally:
             self.close()
+
+    def _verified(self, name: str) -> IO[bytes]:
+        stream = self._opened.get(name)
+        if stream is None:
+            raise ShardMismatch(f"DCP asked for {name}, which this rank did not verify")
+        return stream
 
     def close(self) -> None:
         """Close the files opened for verification (``read_data`` does it when done)."""

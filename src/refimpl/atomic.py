@@ -165,7 +165,8 @@ def atomic_write(
     flush, fsync, ``os.replace``, fsync of the directory (``durable=False`` skips both
     fsyncs: still atomic against a killed process, not against a power cut). On any error
     the temporary file is removed, ``path`` is left as it was, and an ``OSError`` naming
-    ``path`` and the errno is raised. Returns the hex digest of the bytes written when
+    ``path`` and the errno is raised (its message one fact per line: what failed, what was
+    left as it was, what to do next). Returns the hex digest of the bytes written when
     ``digest`` names an algorithm of `DIGESTS` (``sha256=True`` means ``digest="sha256"``),
     computed while writing, so the file is never read back; else None.
 
@@ -195,8 +196,8 @@ def atomic_write(
     except OSError as exc:  # name the user's file and directory, not a temp that never was
         raise OSError(  # OSError(errno, ...) is the errno's subclass (FileNotFoundError, ...)
             exc.errno,
-            f"cannot write {path}: creating a temporary file in {path.parent} failed "
-            f"({exc.strerror or exc}). {advice(exc, path)}",
+            f"cannot write {path}:\ncreating a temporary file in {path.parent} failed "
+            f"({exc.strerror or exc}).\n{advice(exc, path)}",
         ) from exc
     watched = WatchedFile(f)
     stage = "serialise"  # then "write": from here on every OSError is the file's
@@ -224,15 +225,15 @@ def atomic_write(
         if os_error is not None and stage == "sync":
             raise OSError(
                 os_error.errno,
-                f"{path} was written and renamed, but syncing its directory failed "
-                f"({os_error.strerror or os_error}): the new file may not survive a power cut. "
+                f"{path} was written and renamed,\nbut syncing its directory failed "
+                f"({os_error.strerror or os_error}): the new file may not survive a power cut.\n"
                 "Check the disk (dmesg) and save again",
             ) from exc
         if os_error is not None:
             raise OSError(
                 os_error.errno,
-                f"atomic write of {path} failed ({os_error.strerror or os_error}); the previous "
-                f"{path.name} is untouched and the temporary file was removed. "
+                f"atomic write of {path} failed ({os_error.strerror or os_error});\n"
+                f"the previous {path.name} is untouched and the temporary file was removed.\n"
                 f"{advice(os_error, path)}",
             ) from exc
         raise

@@ -120,12 +120,12 @@ def draw_buckets(
         start = left
         for i in bucket:
             ax.barh(0, sizes[i], left=left, color=colors(b % 10), edgecolor="white", lw=0.5)
-            if names is not None and sizes[i] > 0.06 * total:  # only where the name fits
-                ax.text(left + sizes[i] / 2, -0.2, names[i], ha="center", va="center", size=7)
+            if names is not None and sizes[i] > 0.08 * total:  # only where the name fits
+                ax.text(left + sizes[i] / 2, -0.2, names[i], ha="center", va="center", size=9)
             left += sizes[i]
         ax.axvline(left, color="black", linewidth=1)
-        if left - start > 0.03 * total:
-            ax.text((start + left) / 2, 0.2, f"b{b}", ha="center", va="center", size=8)
+        if left - start > 0.04 * total:
+            ax.text((start + left) / 2, 0.2, f"b{b}", ha="center", va="center", size=10)
     ax.set_yticks([])
     ax.set_xlim(0, left)
     ax.set_xlabel("gradient bytes in ready order (MB); colour = bucket")

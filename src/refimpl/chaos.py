@@ -18,13 +18,14 @@ The command runs once uninterrupted (the reference), then once per scenario, eac
 
 Then ``FILE`` (relative to ``{out}``; a ``torch.save`` file, loaded weights-only, or a
 ``.safetensors`` file) of each scenario is compared with the reference's, tensor by tensor and
-bit for bit; the exit status is 0 only when every scenario matches. Workers are found through
-``/proc`` (Linux). The command runs with ``PYTHONUNBUFFERED=1``, so its lines arrive as they
-are printed and a kill lands where its line says. Every run has a ``--timeout``, and every
-process a run started is killed when it ends. The trainer must be deterministic for a given
-seed (the reference run is compared with runs on the same machine), and it should draw from
-its RNG while training (dropout, random batches): a run that draws nothing cannot show that a
-resume forgot to restore the RNG streams (chapter 11).
+bit for bit; the exit status is 0 only when every scenario matches. ``--reference DIR`` reuses
+an earlier uninterrupted run's ``{out}`` instead of running the reference again. Workers are
+found through ``/proc`` (Linux). The command runs with ``PYTHONUNBUFFERED=1``, so its lines
+arrive as they are printed and a kill lands where its line says. Every run has a ``--timeout``,
+and every process a run started is killed when it ends. The trainer must be deterministic for a
+given seed (the reference run is compared with runs on the same machine), and it should draw
+from its RNG while training (dropout, random batches): a run that draws nothing cannot show that
+a resume forgot to restore the RNG streams (chapter 11).
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ def run_chaos(
     env: Mapping[str, str] | None = None,
     log: Callable[[str], None] | None = None,
     jobs: int = 1,
+    reference: str | os.PathLike[str] | None = None,
 ) -> list[ChaosRow]:
     """Run the reference, then each scenario of ``scenarios``; return one `ChaosRow` each.
 
@@ -146,6 +148,10 @@ def run_chaos(
     scenarios run at a time, after the reference (side by side, each row's seconds grow). Raises
     `ChaosError` when the test cannot be run (see its docstring); a trainer that fails to
     recover (a wrong result, a failed or hung restart) is a row with ``equal=False``.
+
+    ``reference`` is the ``{out}`` directory of an earlier uninterrupted run of the same
+    command (for example ``WORK/reference`` of a previous call): its ``compare`` file is the
+    reference and no reference run is made. An empty ``scenarios`` runs only the reference.
     """
     if unknown := [s for s in scenarios if s not in SCENARIOS]:
         raise ChaosError(f"unknown scenarios {unknown} (known: {', '.join(SCENARIOS)})")
@@ -174,21 +180,29 @@ def run_chaos(
         return run
 
     try:
-        ref = launch("reference", kill_re)
-        _check_started(ref, "the reference run", kill_on, "--kill-on", timeout_s)
-        if ref.returncode != 0:
-            how = (f"ran past --timeout {timeout_s:g} s" if ref.returncode is None
-                   else f"exited {ref.returncode}")  # fmt: skip
-            raise ChaosError(f"the reference run (no kill) {how}. Its last lines:\n"
-                             f"{_tail(ref.lines)}")  # fmt: skip
-        if save_re is not None and not any(save_re.search(ln) for ln in ref.lines):
-            raise ChaosError(f"the reference run printed no line matching --save-on "
-                             f"{save_on!r}. Its last lines:\n{_tail(ref.lines)}")  # fmt: skip
-        try:
-            reference = load_flat(base / "reference" / compare)
-        except (OSError, RuntimeError, ValueError) as exc:
-            raise ChaosError(f"the reference run wrote no readable {compare} under {{out}} "
-                             f"({base / 'reference'}): {exc}") from exc  # fmt: skip
+        if reference is not None:
+            try:
+                expected = load_flat(Path(reference) / compare)
+            except (OSError, RuntimeError, ValueError) as exc:
+                raise ChaosError(f"--reference {reference}: no readable {compare} in it "
+                                 f"({exc}); pass the {{out}} of an uninterrupted "
+                                 "run") from exc  # fmt: skip
+        else:
+            ref = launch("reference", kill_re)
+            _check_started(ref, "the reference run", kill_on, "--kill-on", timeout_s)
+            if ref.returncode != 0:
+                how = (f"ran past --timeout {timeout_s:g} s" if ref.returncode is None
+                       else f"exited {ref.returncode}")  # fmt: skip
+                raise ChaosError(f"the reference run (no kill) {how}. Its last lines:\n"
+                                 f"{_tail(ref.lines)}")  # fmt: skip
+            if save_re is not None and not any(save_re.search(ln) for ln in ref.lines):
+                raise ChaosError(f"the reference run printed no line matching --save-on "
+                                 f"{save_on!r}. Its last lines:\n{_tail(ref.lines)}")  # fmt: skip
+            try:
+                expected = load_flat(base / "reference" / compare)
+            except (OSError, RuntimeError, ValueError) as exc:
+                raise ChaosError(f"the reference run wrote no readable {compare} under {{out}} "
+                                 f"({base / 'reference'}): {exc}") from exc  # fmt: skip
 
         def scenario(name: str) -> ChaosRow:
             on_save = name == "kill-rank0-save"
@@ -200,7 +214,7 @@ def run_chaos(
             _check_started(runs[0], f"scenario {name}", regex, flag, timeout_s)
             if name in _RERUN:
                 runs.append(launch(name))
-            return _row(name, runs, base / name / compare, reference, resume_re)
+            return _row(name, runs, base / name / compare, expected, resume_re)
 
         todo = [n for n in scenarios if n != "kill-rank0-save" or save_re is not None]
         # Scenarios are independent (own {out}, own marker): side by side they overlap the
@@ -263,6 +277,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--work", help="keep the runs' directories here (default: a temporary one)")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset")
     p.add_argument(
+        "--reference",
+        help="the {out} of an earlier uninterrupted run of the same command: compare with its "
+        "FILE instead of running the reference again",
+    )
+    p.add_argument(
         "--jobs",
         type=int_range(1),
         default=1,
@@ -275,8 +294,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.monotonic()
     try:
         rows = run_chaos(cmd, kill_on=args.kill_on, compare=args.compare, save_on=args.save_on,
-                         resume_on=args.resume_on, scenarios=args.scenarios.split(","),
+                         resume_on=args.resume_on,
+                         scenarios=[s for s in args.scenarios.split(",") if s],
                          timeout_s=args.timeout, work=args.work, jobs=args.jobs,
+                         reference=args.reference,
                          log=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
     except ChaosError as exc:
         print(f"chaos: {exc}", file=sys.stderr)

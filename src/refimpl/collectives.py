@@ -214,32 +214,56 @@ def sampler_shards(dataset_len: int, batch_size: int, seed: int = 0) -> dict[str
 
 
 def plot_ring_steps(per_rank: list[list[list[int]]]) -> Any:
-    """Draw `ring_snapshots` results: one panel per step, ranks as rows, chunks as columns.
+    """Draw `ring_snapshots` results: ranks as rows, chunks as columns, one panel per step.
 
-    A cell's shade is how many ranks' numbers the chunk contains there; its label lists them.
-    Returns the matplotlib figure.
+    The top row is the start and the reduce-scatter steps, the bottom row the all-gather
+    steps and a key. A cell's shade is how many ranks' numbers the chunk contains there, its
+    label lists them ("013": ranks 0, 1 and 3, "all" once every rank's is in), and an
+    outline marks the chunks that changed in that step. Sized for a page about 780 px wide,
+    so the labels stay at 10 pt. Returns the matplotlib figure.
     """
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
 
     world = len(per_rank)
     n_steps = len(per_rank[0])
-    fig, axes = plt.subplots(1, n_steps, figsize=(2.1 * n_steps, 2.6), sharey=True)
-    for step, ax in enumerate(axes):
-        shade = [[bin(per_rank[r][step][c]).count("1") for c in range(world)] for r in range(world)]
+    fig, grid = plt.subplots(2, world, figsize=(7.8, 4.8), squeeze=False)
+    panels = [grid[0, c] for c in range(world)] + [grid[1, c] for c in range(world - 1)]
+    for step, ax in enumerate(panels[:n_steps]):
+        values = [per_rank[r][step] for r in range(world)]
+        shade = [[bin(v).count("1") for v in row] for row in values]
         ax.imshow(shade, cmap="Blues", vmin=0, vmax=world + 1)
         for r in range(world):
             for c in range(world):
-                mask = per_rank[r][step][c]
-                who = [str(k) for k in range(world) if mask >> k & 1]
-                label = "all" if len(who) == world else "+".join(who)
-                ax.text(c, r, label, ha="center", va="center", fontsize=8)
-        phase = "start" if step == 0 else ("reduce-scatter" if step < world else "all-gather")
-        number = "" if step == 0 else f" {step if step < world else step - world + 1}"
-        ax.set_title(phase + number, fontsize=9)
-        ax.set_xticks(range(world), [f"c{c}" for c in range(world)], fontsize=8)
-        ax.set_yticks(range(world), [f"rank {r}" for r in range(world)], fontsize=8)
-    fig.suptitle("Ring all-reduce: which ranks' numbers each chunk holds after each step")
-    fig.tight_layout()
+                who = [str(k) for k in range(world) if values[r][c] >> k & 1]
+                full = len(who) == world
+                ax.text(c, r, "all" if full else "".join(who), ha="center", va="center",
+                        fontsize=10, color="white" if full else "black")  # fmt: skip
+                if step and values[r][c] != per_rank[r][step - 1][c]:
+                    ax.add_patch(Rectangle((c - 0.45, r - 0.45), 0.9, 0.9, fill=False,
+                                           edgecolor="tab:orange", linewidth=2.5))  # fmt: skip
+        if step == 0:
+            title = "start"
+        elif step < world:
+            title = f"reduce-scatter {step}"
+        else:
+            title = f"all-gather {step - world + 1}"
+        ax.set_title(title, fontsize=11)
+        ax.set_xticks(range(world), [f"c{c}" for c in range(world)], fontsize=10)
+        ax.set_yticks(range(world), [f"rank {r}" for r in range(world)], fontsize=10)
+        ax.tick_params(length=0)
+        if ax not in (grid[0, 0], grid[1, 0]):
+            ax.set_yticklabels([])
+    key = grid[1, world - 1]
+    key.axis("off")
+    key.text(
+        0.0, 0.5,
+        "rows: ranks\ncolumns: chunks\n\nlabel: the ranks whose\nnumbers it holds\n"
+        "(01: ranks 0 and 1)\n\norange: changed\nin this step\n\n"
+        "each step, rank r\nsends one chunk\nto rank r+1",
+        fontsize=10, va="center", transform=key.transAxes,
+    )  # fmt: skip
+    fig.tight_layout(h_pad=1.5)
     return fig
 
 

@@ -23,6 +23,7 @@ saves the right position.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -30,7 +31,7 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import Sampler
 
-__all__ = ["ResumableBatches", "ResumableSampler"]
+__all__ = ["ResumableBatches", "ResumableSampler", "sample_seed"]
 
 
 class ResumableSampler(Sampler[int]):
@@ -236,3 +237,20 @@ class ResumableBatches:
             # The epoch is over (positions come in whole batches): the next one from its start.
             s.set_epoch(s.epoch + 1)
             self._epoch_iter = None
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """A 64-bit seed for one sample's randomness, a fixed function of (seed, epoch, index).
+
+    Augmentation drawn in a ``DataLoader`` worker from the worker's own RNG depends on which
+    worker serves the sample and on what that worker served before, and a resume in the middle
+    of an epoch changes both (the workers restart their streams). A generator seeded per sample
+    with this value draws the same whichever worker, rank or world size draws the sample,
+    prefetched or resumed, so there is no worker RNG state to save. Example::
+
+        def __getitem__(self, i):
+            g = torch.Generator().manual_seed(sample_seed(self.seed, self.epoch, i))
+            top, left = torch.randint(0, 8, (2,), generator=g).tolist()   # a random crop
+    """
+    digest = hashlib.blake2b(f"{seed}/{epoch}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")

@@ -174,13 +174,16 @@ _PRELOAD_IF_LOADED = ("torch.distributed.checkpoint", "torch.distributed.fsdp")
 def _forkserver_preload() -> list[str]:
     """What the fork server imports once, so that a forked rank finds it imported already.
 
-    torch always. DCP and FSDP only when this process has imported them itself (a notebook
-    about sharded checkpoints, a test session that collected such tests): its ranks will
-    need them, while a chapter that never shards does not pay for them. The server starts at
-    the first `spawn` of a process and keeps its modules for every later one.
+    torch always, and ``torch._dynamo``: `DistributedDataParallel`'s constructor imports it
+    (torch 2.13, ``nn/parallel/distributed.py``: ``torch._dynamo.utils.get_optimize_ddp_mode()``),
+    which costs a rank that wraps a model about as much CPU again as importing torch. DCP and
+    FSDP only when this process has imported them itself (a notebook about sharded
+    checkpoints, a test session that collected such tests): its ranks will need them, while a
+    chapter that never shards does not pay for them. The server starts at the first `spawn`
+    of a process and keeps its modules for every later one.
     """
     loaded = [name for name in _PRELOAD_IF_LOADED if name in sys.modules]
-    return ["torch", "torch.distributed", *loaded, "refimpl._rank_process"]
+    return ["torch", "torch.distributed", "torch._dynamo", *loaded, "refimpl._rank_process"]
 
 
 def spawn(

@@ -13,7 +13,8 @@ that ``except Exception`` misses, and ``dcp.load`` unpickles ``.metadata`` with 
   (`refimpl._sharded_group` has the protocol);
 - a loader that verifies the manifest and unpickles ``.metadata`` through an allowlist
   *before* DCP opens anything, falls back past incomplete, corrupt or hostile steps saying
-  why, and loads non-tensor items weights-only;
+  why, loads non-tensor items weights-only, and reads of each saved chunk only the rows a
+  rank holds (DCP reads whole chunks, which makes a resharded load slow);
 - errors that are `refimpl.checkpoint.CheckpointError`\\ s naming the ranks, the step and
   what to do next.
 
@@ -201,11 +202,14 @@ def load_sharded(
     reason)``, by default a warning logged on rank 0) or one ``step_N`` directory (loaded or
     refused, no fallback). Rank 0 verifies the manifest and every digest; each rank checks
     ``.metadata`` (the verified bytes) with the allowlist unpickler, and digests every shard
-    file it is about to read, from the open file DCP then reads (a file that changed after
-    rank 0's check, or differs on that rank's node, skips the step before anything is
-    loaded); ``dcp.load`` loads non-tensor items weights-only (one that is not is refused,
-    and the next older step tried); ``set_state_dict`` puts the result in place. The world
-    size may differ from the one that saved: DCP reshards.
+    file it is about to read, from the open file DCP then reads, unless that file is, on
+    rank 0's machine, the very file rank 0 just hashed, unchanged since
+    (`refimpl._sharded_seen`): a file that changed after rank 0's check, or differs on that
+    rank's node, skips the step before anything is loaded. ``dcp.load`` loads non-tensor
+    items weights-only (one that is not is refused, and the next older step tried), each
+    tensor from only the bytes of the rows this rank holds (`refimpl._sharded_ranges`);
+    ``set_state_dict`` puts the result in place. The world size may differ from the one that
+    saved: DCP reshards.
 
     Returns the step loaded, or None for an existing checkpoint directory with no step yet
     (a fresh start). Everything else raises `ShardedCheckpointError` saying what was found
@@ -246,7 +250,7 @@ def load_sharded(
     below: int | None = None
     while True:
         chosen = choose_step(Path(path), below) if group.rank == 0 else None
-        step, step_dir_s, skipped, fatal, single, expected, world = group.broadcast(chosen)
+        step, step_dir_s, skipped, fatal, single, expected, world, seen = group.broadcast(chosen)
         for skipped_dir, why in skipped:
             report(Path(skipped_dir), why)
         if fatal is not None:
@@ -255,7 +259,9 @@ def load_sharded(
             logger.info("load_sharded: no step in %s yet: starting fresh", path)
             return None
         try:
-            load_step(group, Path(step_dir_s), expected, world, model, optimizer, state, exclude)
+            load_step(
+                group, Path(step_dir_s), expected, world, model, optimizer, state, exclude, seen
+            )
             return int(step)
         except ShardedCheckpointError as err:
             if single or not err.unsafe:

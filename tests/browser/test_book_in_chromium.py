@@ -167,3 +167,39 @@ def test_page_renders_title_and_figures_without_errors(browser, base_url: str, d
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / f"{doc.replace('/', '__')}.png"), full_page=True)
     page.close()
+
+
+# The pictures a widget shows now (a widget may hold one per slider value and show one).
+SHOWN_PICTURES_JS = """() => Array.from(document.querySelectorAll('article .widget-image'))
+  .filter(img => img.offsetParent !== null).map(img => img.src)"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("doc", [d for d in _toc_files() if _expected(d)[2]])
+def test_every_widget_slider_changes_the_picture_in_the_static_page(  # type: ignore[no-untyped-def]
+    browser, base_url: str, doc: str
+) -> None:
+    """No control that does nothing: in the HTML book (no kernel) every slider of a widget
+    shows another picture when moved, because the pictures were drawn in advance."""
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    page.goto(f"{base_url}/{doc}.html", wait_until="load")
+    page.wait_for_selector("article .jupyter-widgets .widget-image", timeout=20_000)
+    handles = page.locator("article .jupyter-widgets .noUi-handle")
+    assert handles.count() > 0, f"{doc}: a widget without a slider"
+    for i in range(handles.count()):
+        handle = handles.nth(i)
+        handle.scroll_into_view_if_needed()
+        before = page.evaluate(SHOWN_PICTURES_JS)
+        assert before, f"{doc}: no picture on show next to slider {i}"
+        handle.focus()
+        for key in ("End", "Home"):  # one of the two moves it, wherever it starts
+            page.keyboard.press(key)
+            page.wait_for_timeout(300)
+            if page.evaluate(SHOWN_PICTURES_JS) != before:
+                break
+        after = page.evaluate(SHOWN_PICTURES_JS)
+        assert after != before, f"{doc}: slider {i} moved, the picture stayed the same"
+        assert len(after) == len(before), f"{doc}: slider {i} hid or added a picture"
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / f"{doc.replace('/', '__')}__widgets.png"), full_page=True)
+    page.close()

@@ -8,6 +8,9 @@ with the chapters that use them.
   runs the MiniDDP-vs-DDP parity check); `refimpl.demos.ddp_details`: chapter 2's details
   (buffers, ``no_sync``, ``Join``, the bucket rebuild); `refimpl.demos.buckets`: chapter 3's
   timelines and compression hooks
+- `refimpl.demos.collectives`: chapter 1's exercise (a ring of blocking sends);
+  `refimpl.demos.ddp_views`: chapter 2's hook-trace figure; `refimpl.demos.ddp_exercises`:
+  chapter 2's exercises (no broadcast, ``no_sync`` on one rank)
 - `refimpl.demos.sync`: the workers and timelines of chapter 4; `refimpl.demos.hangs`: its
   hang toolbox
 - `refimpl.demos.sharded`, `refimpl.demos.sharded_runs`, `refimpl.demos.dcp_pitfalls`: chapters 8-9;
@@ -19,6 +22,8 @@ with the chapters that use them.
 - `refimpl.demos.faults`: the kill-the-saver harness behind chapter 5
   (``python -m refimpl.demos.faults --kills 500``); `refimpl.demos.io_faults`: its injected
   I/O errors, flipped bits and object-store renames
+- `refimpl.demos.resume`: chapter 6's lost/repeated counts and resume-equivalence runs;
+  `refimpl.demos.loader_state`: what a `DataLoader` holds (position, worker seeds, streams)
 - `refimpl.demos.slider_figure`: figures with sliders drawn in advance for a grid of values,
   linked in the browser, so they work in the HTML book as well as in JupyterLab
 """

@@ -2,33 +2,38 @@
 
 `timeline` records when each gradient is ready and each bucket's all-reduce runs, and
 `ddp_hook_trace` does the same inside torch's DDP (the figure of chapter 2);
-`ddp_statistics` reads DDP's own overlap counters; the fp16 workers show the error and the
-overflow of compressing gradients, with and without GradScaler. The models come from
-`refimpl.demos.ddp`.
+`ddp_statistics` reads DDP's own overlap counters; `ddp_small_bucket` shows which end of
+the model DDP's 1 MB first bucket lands on; the fp16 workers show the error and the overflow
+of compressing gradients, with and without GradScaler, and `undivided_hook` a hook that
+forgets to average. The models come from `refimpl.demos.ddp`; the profile of a step is in
+`refimpl.demos.ddp_profile`.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from refimpl.buckets import MB
 from refimpl.ddp import MiniDDP, NaiveDDP, fp16_compress_hook
 from refimpl.demos.ddp import make_mlp
 from refimpl.demos.ddp_details import _ddp_buckets
 
 __all__ = [
     "ddp_hook_trace",
+    "ddp_small_bucket",
     "ddp_statistics",
     "draw_ddp_hook_trace",
     "fp16_hook_error",
     "fp16_overflow",
     "grad_scaler_with_fp16_hook",
     "timeline",
+    "undivided_hook",
 ]
 
 
@@ -213,10 +218,13 @@ def fp16_overflow(local: tuple[float, float] = (70000.0, 50000.0)) -> dict[str, 
     return out
 
 
-def grad_scaler_with_fp16_hook(fp16_hook: bool, steps: int = 6) -> list[str]:
-    """``torch.amp.GradScaler`` (initial scale 2**16) with DDP, with or without PyTorch's
-    ``fp16_compress_hook``: per step, the scale after ``update()`` and whether the optimizer
-    step was taken (a skipped step means the scaler found inf in the averaged gradients)."""
+def grad_scaler_with_fp16_hook(
+    fp16_hook: bool, steps: int = 6, init_scale: float = 2.0**16
+) -> list[str]:
+    """``torch.amp.GradScaler`` (initial scale ``init_scale``, PyTorch's default 2**16) with
+    DDP, with or without PyTorch's ``fp16_compress_hook``: per step, the scale after
+    ``update()`` and whether the optimizer step was taken (a skipped step means the scaler
+    found inf in the averaged gradients)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     torch.manual_seed(0)
@@ -225,7 +233,7 @@ def grad_scaler_with_fp16_hook(fp16_hook: bool, steps: int = 6) -> list[str]:
     if fp16_hook:
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu")
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
     x = 3 * torch.randn(16, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
     out = []
     for _ in range(steps):
@@ -237,3 +245,50 @@ def grad_scaler_with_fp16_hook(fp16_hook: bool, steps: int = 6) -> list[str]:
         out.append(f"{'step' if taken else 'SKIP'} (scale {scaler.get_scale():g})")
         opt.zero_grad()
     return out
+
+
+def ddp_small_bucket(widths: tuple[int, ...] = (768,) * 21, steps: int = 2) -> dict[str, str]:
+    """DDP with its default buckets (25 MB, 1 MB first) after ``steps`` steps, with and
+    without ``find_unused_parameters``: each bucket in the order it is all-reduced, as its
+    first and last parameter and its size in MB."""
+    out = {}
+    for find_unused in (False, True):
+        model = make_mlp(widths)
+        ddp = DDP(model, find_unused_parameters=find_unused)
+        names = [n for n, _ in model.named_parameters()]
+        params = list(model.parameters())
+        x = torch.randn(4, widths[0])
+        for _ in range(steps):
+            ddp(x).sum().backward()
+        buckets = _ddp_buckets(ddp, {id(p): i for i, p in enumerate(params)})
+        out[f"find_unused_parameters={find_unused}"] = ", ".join(
+            f"[{names[b[0]]}..{names[b[-1]]}: {sum(params[i].numel() for i in b) * 4 / MB:.1f}]"
+            for b in buckets
+        )
+    return out
+
+
+def _sum_only(bucket: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """A comm hook that all-reduces (sums) the bucket and forgets to divide."""
+    work = dist.all_reduce(bucket, async_op=True)
+    assert work is not None
+    fut = work.get_future().then(lambda f: f.value()[0])
+    return cast("torch.futures.Future[torch.Tensor]", fut)
+
+
+def undivided_hook(seed: int = 0) -> dict[str, Any]:
+    """The same model and batch through `MiniDDP` without a hook and with `_sum_only`, a hook
+    that sums and does not divide by the world size: the largest gradient of each, and
+    whether every hooked gradient is exactly ``world_size`` times the plain one."""
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(dist.get_rank()))
+    grads = []
+    for hook in (None, _sum_only):
+        model = MiniDDP(make_mlp(seed=seed), comm_hook=hook)
+        model(x).pow(2).mean().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))  # type: ignore[union-attr]
+    plain, hooked = grads
+    return {
+        "max |grad|, no hook": f"{float(plain.abs().max()):.4f}",
+        "max |grad|, sum-only hook": f"{float(hooked.abs().max()):.4f}",
+        "sum-only == world_size * no hook": torch.equal(hooked, dist.get_world_size() * plain),
+    }

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+import textwrap
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from refimpl.chaos import SCENARIOS, ChaosRow, run_chaos
 from refimpl.demos.train import train_command
 
-__all__ = ["TRAIN_ARGS", "chaos_toy", "chaos_train", "toy_command"]
+__all__ = ["TRAIN_ARGS", "chaos_report", "chaos_toy", "chaos_train", "toy_command"]
 
 TRAIN_ARGS = ("--steps", "16", "--save-every", "4", "--seed", "3", "--ckpt-dir", "{out}/ckpt",
               "--final-weights", "{out}/w.pt", "--step-sleep", "0.05", "--progress", "never",
@@ -66,12 +68,35 @@ def chaos_toy(
     work: str | os.PathLike[str] | None = None,
     env: dict[str, str] | None = None,
     jobs: int = 1,
+    reference: str | os.PathLike[str] | None = None,
 ) -> list[ChaosRow]:
     """The kill test on a `refimpl.demos.chaos_trainers` variant (``ok``, ``no-rng``,
     ``no-sampler``): kills at ``step 6``, rank 0 at ``saving step 12``; ``env`` is added to
-    the command's environment; ``jobs`` scenarios run side by side. Neither trainer needs
-    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``: both call `refimpl.launch.init_from_env`, which
-    scopes each attempt's keys."""
+    the command's environment; ``jobs`` scenarios run side by side. The variants differ only in
+    what a resume restores, so their uninterrupted runs are the same run: one variant's
+    reference (``reference``, as in `refimpl.chaos.run_chaos`) serves them all. Neither
+    trainer needs ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``: both call
+    `refimpl.launch.init_from_env`, which scopes each attempt's keys."""
     return run_chaos(toy_command(variant), kill_on=r"^step 6 loss", save_on=r"^saving step 12",
                      compare="final.pt", scenarios=scenarios, timeout_s=timeout_s, work=work,
-                     env=env, jobs=jobs)  # fmt: skip
+                     env=env, jobs=jobs, reference=reference)  # fmt: skip
+
+
+def chaos_report(rows: Sequence[ChaosRow | Mapping[str, Any]], width: int = 100) -> str:
+    """The kill test's rows for a page ``width`` columns wide: scenario, where the kill
+    landed, restarts and the verdict on one line; the resume line and the first difference
+    (wrapped) under it. The same facts as `refimpl.chaos.format_table`, whose one-line rows
+    run past 100 columns once a path or a difference is long. Rows may be `ChaosRow` objects
+    or the dicts ``--json`` writes."""
+    out = [f"{'scenario':<16} {'kill landed at':<46} {'restarts':>8}  result"]
+    for row in rows:
+        r = row if isinstance(row, Mapping) else vars(row)
+        landed = textwrap.shorten(r["landed"].strip(), 44, placeholder="...")
+        verdict = "bit-identical" if r["equal"] else "DIFFERS"
+        out.append(f"{r['scenario']:<16} {landed!r:<46} {r['restarts']:>8}  {verdict}")
+        notes = [f"resumed: {(r['resume'] or '-').strip()}"]
+        if not r["equal"]:
+            notes.append(f"difference: {r['difference']}")
+        out += [textwrap.fill(n, width, initial_indent=" " * 4, subsequent_indent=" " * 8)
+                for n in notes]  # fmt: skip
+    return "\n".join(out)

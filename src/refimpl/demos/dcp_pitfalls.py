@@ -6,6 +6,10 @@
 - `crafted_metadata_demo`: a ``.metadata`` (and a shard item) whose pickle runs a payload
   (it creates a marker directory) and then returns the real value: plain ``dcp.load`` runs
   it and loads normally; `refimpl.sharded.load_sharded` refuses it and falls back.
+- `overwrite_warning`: the ``UserWarning`` a second ``dcp.save`` into one directory raises.
+- `metadata_window_demo`: an in-place ``dcp.save`` that stops between removing the old
+  ``.metadata`` and renaming the new one into place leaves a directory nothing can load.
+- `ctrl_c_demo`: a Ctrl-C during a save, as plain ``dcp.save`` and `save_sharded` raise it.
 
 Like `refimpl.demos.sharded`, each ``*_demo(workdir)`` returns printable, deterministic
 results with paths replaced by ``CKPT``.
@@ -14,6 +18,7 @@ results with paths replaced by ``CKPT``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import operator
 import os
 import pickle
@@ -25,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -36,6 +42,9 @@ from refimpl.sharded import load_sharded, save_sharded
 
 __all__ = [
     "crafted_metadata_demo",
+    "ctrl_c_demo",
+    "metadata_window_demo",
+    "overwrite_warning",
     "torn_overwrite_demo",
     "torn_worker",
 ]
@@ -194,3 +203,114 @@ def crafted_metadata_demo(workdir: str | os.PathLike[str]) -> dict[str, str]:
             f"loaded step {step}; payload ran: {marker.exists()}; skipped {reasons}"
         )
     return out
+
+
+def _save_alone(state: dict[str, Any], writer_or_dir: Any) -> None:
+    """``dcp.save`` in one process, without DCP's "assuming a single process" notice."""
+    kwargs = (
+        {"storage_writer": writer_or_dir}
+        if isinstance(writer_or_dir, FileSystemWriter)
+        else {"checkpoint_id": writer_or_dir}
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp_save(state, no_dist=True, **kwargs)
+
+
+def overwrite_warning(workdir: str | os.PathLike[str]) -> str:
+    """``dcp.save`` twice into one directory (``FileSystemWriter``'s default ``overwrite=True``)
+    in one process; returns the warning the second save raises, its path shown as ``CKPT``
+    (torch 2.13 ``filesystem.py:652-659``: a ``warnings.warn``, category ``UserWarning``)."""
+    path = Path(workdir) / "latest"
+    state = {"model": tiny_model(0).state_dict()}
+    _save_alone(state, path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp_save(state, checkpoint_id=path, no_dist=True)
+    found = [w for w in caught if "existing checkpoint" in str(w.message)]
+    if len(found) != 1:
+        raise AssertionError(
+            f"expected one overwrite warning, got {[str(w.message) for w in caught]}"
+        )
+    return f"{found[0].category.__name__}: {str(found[0].message).replace(str(path), 'CKPT')}"
+
+
+class _StopBeforeRename(Exception):
+    """Stands for the process dying right after ``rm_file(.metadata)``."""
+
+
+def metadata_window_demo(workdir: str | os.PathLike[str]) -> list[str]:
+    """Save A into ``latest``, then save B = A + 1 over it in place, stopping where
+    ``FileSystemWriter.finish`` has removed the old ``.metadata`` and not yet renamed the new
+    one (torch 2.13 ``filesystem.py:787-790``); then list the directory and load it."""
+    path = Path(workdir) / "latest"
+    model = tiny_model(0)
+    _save_alone({"model": model.state_dict()}, path)
+    writer = FileSystemWriter(path)
+
+    def stop(_src: Any, _dst: Any) -> None:
+        raise _StopBeforeRename("stopped between rm_file and rename")
+
+    writer.fs.rename = stop  # type: ignore[method-assign,assignment]
+    try:
+        with warnings.catch_warnings():  # the overwrite warning: `overwrite_warning` shows it
+            warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
+            _save_alone({"model": {k: v + 1.0 for k, v in model.state_dict().items()}}, writer)
+    except BaseException as exc:  # CheckpointException wrapping _StopBeforeRename
+        stopped = type(exc).__name__
+    else:
+        raise AssertionError("the second save was not stopped")
+    lines = [f"second save stopped ({stopped}); the directory holds {sorted(os.listdir(path))}"]
+    logging.disable(logging.WARNING)  # DCP logs each missing .metadata with its traceback
+    try:
+        target = {"model": tiny_model(5).state_dict()}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp_load(target, checkpoint_id=path)
+        lines.append("plain dcp.load: loaded")
+    except BaseException as exc:
+        found = "metadata is None" in str(getattr(exc, "failures", ""))
+        lines.append(
+            f"plain dcp.load: {type(exc).__name__} (no .metadata found: {found}); "
+            "neither save A nor save B can be loaded"
+        )
+    finally:
+        logging.disable(logging.NOTSET)
+    return lines
+
+
+def ctrl_c_demo(workdir: str | os.PathLike[str]) -> list[str]:
+    """A ``KeyboardInterrupt`` raised where DCP writes the data, in one process: what plain
+    ``dcp.save`` raises (its wrappers catch ``BaseException``: torch 2.13 ``utils.py:194,
+    242, 282, 308``) and what `save_sharded` raises."""
+    root = Path(workdir)
+    model = tiny_model(0)
+    opt = torch.optim.Adam(model.parameters())
+
+    def interrupted(self: FileSystemWriter, plan: Any, planner: Any) -> Any:
+        raise KeyboardInterrupt
+
+    lines = []
+    own = FileSystemWriter.__dict__.get("write_data")  # None: inherited (torch 2.13)
+    FileSystemWriter.write_data = interrupted  # type: ignore[method-assign,assignment]
+    try:
+        for name, save in (
+            ("plain dcp.save", lambda: _save_alone({"model": model.state_dict()}, root / "p")),
+            ("save_sharded", lambda: save_sharded(root / "ckpt", model, opt, 1)),
+        ):
+            try:
+                save()
+            except BaseException as exc:
+                inner = [type(e).__name__ for e, _t in getattr(exc, "failures", {}).values()]
+                carries = f", carrying {', '.join(inner)}" if inner else ""
+                lines.append(
+                    f"{name}: {type(exc).__name__}{carries}; "
+                    f"caught by `except Exception`: {isinstance(exc, Exception)}"
+                )
+    finally:
+        if own is None:
+            del FileSystemWriter.write_data  # back to the inherited method
+        else:
+            FileSystemWriter.write_data = own  # type: ignore[method-assign]
+    return lines

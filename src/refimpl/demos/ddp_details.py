@@ -2,7 +2,8 @@
 
 Buffers at construction and their drift without a re-sync, where ``no_sync`` must sit,
 gradient accumulation against the global batch, uneven inputs and ``Join``, the error DDP
-raises for a parameter without a gradient, and the bucket rebuild that follows rank 0.
+raises for a parameter without a gradient, the bucket rebuild that follows rank 0, and why
+a different bucket layout changes the last bits of a sum.
 Like `refimpl.demos.ddp`, each returns plain data so the notebook prints one deterministic
 result per rank.
 """
@@ -31,6 +32,7 @@ __all__ = [
     "join_uneven_inputs",
     "no_sync_placement",
     "rebuild_follows_rank0",
+    "sum_order_by_layout",
     "trim_ddp_error",
 ]
 
@@ -268,4 +270,26 @@ def join_uneven_inputs(use_join: bool, hold_s: float = 4.0) -> str:
     return outcome
 
 
-# --- Chapter 3: DDP's statistics, fp16 overflow ---------------------------------------------
+def sum_order_by_layout(numel: int = 1000, shifts: tuple[int, ...] = (1, 7, 100)) -> dict[str, int]:
+    """Worker: does an all-reduced sum depend on where the values sit in the buffer?
+
+    Each rank draws ``numel`` random values (seeded by its rank), divides them by the world
+    size as DDP's Reducer and MiniDDP divide gradients, and all-reduces them at offset 0 of a
+    flat buffer, then shifted by each of ``shifts`` elements and split into two buckets, as
+    another bucket layout would place them. Returns, per layout, how many of the ``numel``
+    sums differ in any bit from the offset-0 ones.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    values = torch.randn(numel, generator=torch.Generator().manual_seed(rank)) / world
+    reference = values.clone()
+    dist.all_reduce(reference)
+    out = {}
+    for shift in shifts:
+        buffer = torch.cat([torch.zeros(shift), values])
+        dist.all_reduce(buffer)
+        out[f"shifted by {shift}"] = int((buffer[shift:] != reference).sum())
+    halves = [h.clone() for h in values.tensor_split(2)]
+    for half in halves:
+        dist.all_reduce(half)
+    out["in two buckets"] = int((torch.cat(halves) != reference).sum())
+    return out

@@ -14,6 +14,7 @@ Linux only (processes are found through ``/proc``, as in `refimpl._chaos_proc`).
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -31,7 +32,7 @@ from typing import Any
 from refimpl._chaos_proc import MARKER, descendants, kill_run, marked, signal_all
 
 __all__ = ["RDZV_CONF", "Node", "TwoNodes", "agent_command", "elastic_loss", "fixed_restart"]
-__all__ += ["free_port", "rank0_attempts", "trained_once"]
+__all__ += ["ephemeral_range", "free_port", "rank0_attempts", "trained_once"]
 
 RDZV_CONF = {
     "join_timeout": 60,  # default 600: a node that waits longer than this for a round fails
@@ -47,11 +48,40 @@ _RESUME = re.compile(r"^\[rank0\] (?:resumed from step_(\d+)|no checkpoint in)")
 _STEP = re.compile(r"^\[rank0\] step (\d+) loss")
 
 
+def ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out by itself (to ``connect`` and to ``bind`` on port 0):
+    ``/proc/sys/net/ipv4/ip_local_port_range``, Linux's default where it cannot be read."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
 def free_port() -> int:
-    """A TCP port nobody listens on now (bind to port 0, read it, close)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port for node ``a`` to serve the rendezvous on: free now, and outside the
+    kernel's ephemeral range, so no other process can be handed it before ``a`` listens.
+
+    Binding port 0 and closing (what this did first) returns an *ephemeral* port. Node ``a``
+    binds it only once torchrun has started (seconds later on a loaded machine), and in
+    between any process that connects anywhere can get that port as its local end; then
+    ``a`` fails with EADDRINUSE, ``b`` waits 60 s for a store that never comes, and both end
+    without training (issue 25's flake, reproduced by holding the port that way). The ports
+    below the range are never handed out unasked; those near torchrun's and
+    ``MASTER_PORT``'s customary 29400-29500 are skipped.
+    """
+    first, last = ephemeral_range()
+    below, above = range(max(1024, first - 12000), first), range(last + 1, 65536)
+    ports = max(below, above, key=len)  # a range set to 1024-65535 leaves no room: then any
+    choices = [p for p in ports if not 29000 <= p < 30000] or list(range(1024, 65536))
+    for port in random.Random(os.urandom(8)).sample(choices, min(200, len(choices))):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))  # the wildcard: also busy if it is bound on 127.0.0.1 only
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free TCP port among 200 tried in {choices[0]}-{choices[-1]}")
 
 
 def agent_command(
@@ -146,7 +176,11 @@ class TwoNodes:
                         return t
                 left = deadline - time.monotonic()
                 if left <= 0 or all(n.proc.poll() is not None for n in self.nodes):
-                    raise TimeoutError(f"no line matching {pattern!r} within {timeout_s} s")
+                    taken = any("EADDRINUSE" in line for _, _, line in self.lines())
+                    raise TimeoutError(
+                        f"no line matching {pattern!r} within {timeout_s} s"
+                        + (f"; node a could not listen on port {self.port}" if taken else "")
+                    )
                 self._new_line.wait(min(left, 0.5))
 
     def kill(self, node: Node) -> float:
@@ -230,8 +264,13 @@ def trained_once(sample_log: str | os.PathLike[str], attempts: Sequence[dict[str
 
 
 def _excerpt(run: TwoNodes, keep: Sequence[str]) -> list[str]:
-    """``t=SECONDS node: line`` for the lines that contain one of ``keep``."""
-    return [f"t={t:5.1f}s {name}: {line.split('] ', 1)[-1] if line[:1] in 'IWE' else line}"
+    """``t=SECONDS node: line`` for the lines that contain one of ``keep``; an agent's line
+    without its logging prefix and without the interpreter's path (" of binary: ...")."""
+
+    def short(line: str) -> str:
+        return line.split("] ", 1)[-1].split(" of binary: ")[0] if line[:1] in "IWE" else line
+
+    return [f"t={t:5.1f}s {name}: {short(line)}"
             for t, name, line in run.lines() if any(k in line for k in keep)]  # fmt: skip
 
 

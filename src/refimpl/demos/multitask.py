@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import os
 import random
+import textwrap
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from refimpl.demos.desync import dump_flight_recorder
 from refimpl.guard import CollectiveGuard, CollectiveMismatch
 from refimpl.metrics import sync_metrics
 from refimpl.mixture import MixtureSampler
@@ -34,10 +36,14 @@ SIZES = {"cls": 96, "det": 64, "seg": 48}
 BATCH = 4
 
 
-def metric_value(dataset: str, task: str, index: int) -> float:
-    """The synthetic per-sample metric: fixed by (dataset, task, sample), known to every rank."""
-    d = sorted(TASKS).index(dataset)
-    t = TASKS[dataset].index(task)
+def metric_value(
+    dataset: str, task: str, index: int, tasks: dict[str, tuple[str, ...]] | None = None
+) -> float:
+    """The synthetic per-sample metric: fixed by (dataset, task, sample), known to every rank.
+    ``tasks``: the datasets' tasks, if not `TASKS`."""
+    tasks = TASKS if tasks is None else tasks
+    d = sorted(tasks).index(dataset)
+    t = tasks[dataset].index(task)
     return ((index * 7919 + d * 104729 + t * 1299709) % 1000) / 1000
 
 
@@ -46,11 +52,24 @@ def _naive_choice(rank: int, seed: int) -> random.Random:
     return random.Random(seed * 100 + rank)
 
 
-def _one_step(dataset: str, indices: list[int]) -> list[tuple[str, float, int]]:
+def _one_step(
+    dataset: str, indices: list[int], tasks: dict[str, tuple[str, ...]] | None = None
+) -> list[tuple[str, float, int]]:
+    tasks = TASKS if tasks is None else tasks
     return [
-        (f"{dataset}/{task}", sum(metric_value(dataset, task, i) for i in indices), len(indices))
-        for task in TASKS[dataset]
+        (
+            f"{dataset}/{task}",
+            sum(metric_value(dataset, task, i, tasks) for i in indices),
+            len(indices),
+        )
+        for task in tasks[dataset]
     ]
+
+
+def naive_draws(rank: int, steps: int, datasets: tuple[str, ...], seed: int = 3) -> list[str]:
+    """The datasets ``multitask_loop(fixed=False)`` draws on ``rank``, without running it."""
+    rng = _naive_choice(rank, seed)
+    return [rng.choice(sorted(datasets)) for _ in range(steps)]
 
 
 def multitask_loop(
@@ -61,13 +80,17 @@ def multitask_loop(
     guard: bool = False,
     barrier_at_end: str = "barrier",
     seed: int = 3,
+    flight_recorder: str | None = None,
+    tasks: dict[str, tuple[str, ...]] | None = None,
 ) -> dict[str, Any]:
     """Worker: ``steps`` training steps; returns this rank's call log, synced values, error.
 
     ``fixed=False`` draws each rank's dataset from its own RNG (the bug); ``fixed=True`` uses
     `MixtureSampler` (same dataset on every rank). ``guard=True`` routes every all-reduce through
     `CollectiveGuard`. After the loop every rank waits at ``barrier_at_end`` (``"barrier"``,
-    ``"monitored"`` for ``dist.monitored_barrier``, or ``"none"``).
+    ``"monitored"`` for ``dist.monitored_barrier``, or ``"none"``). ``flight_recorder``: a
+    folder to write this rank's flight-recorder buffer into at the end (`dump_flight_recorder`).
+    ``tasks``: each dataset's tasks, if not `TASKS`.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     sizes = {name: SIZES[name] for name in datasets}
@@ -87,7 +110,7 @@ def multitask_loop(
                 dataset = rng.choice(sorted(sizes))
                 first = (step * world + rank) * BATCH % sizes[dataset]
                 indices = [(first + k) % sizes[dataset] for k in range(BATCH)]
-            for name, total, count in _one_step(dataset, indices):
+            for name, total, count in _one_step(dataset, indices, tasks):
                 calls.append({"step": step, "name": name, "sum": total, "count": count})
                 t = torch.tensor([total, float(count)], dtype=torch.float64)
                 if g is not None:
@@ -105,6 +128,8 @@ def multitask_loop(
         error = f"CollectiveMismatch: {exc}"
     except RuntimeError as exc:
         error = f"{type(exc).__name__}: {_first_line(exc)}"
+    if flight_recorder is not None:
+        dump_flight_recorder(flight_recorder)
     return {
         "rank": rank,
         "calls": calls,
@@ -202,7 +227,7 @@ def call_table(results: list[dict[str, Any]], first: int = 8) -> str:
 
 
 def plot_call_sequences(
-    before: list[dict[str, Any]], after: list[dict[str, Any]], first: int = 14
+    before: list[dict[str, Any]], after: list[dict[str, Any]], first: int = 10
 ) -> Any:
     """Two panels, one row per rank, one box per collective coloured by dataset and labelled
     with the task: per-rank dataset choice (calls pair unrelated metrics) and the fix."""
@@ -210,7 +235,7 @@ def plot_call_sequences(
     from matplotlib.patches import Rectangle
 
     colours = {"cls": "#4C72B0", "det": "#55A868", "seg": "#C44E52"}
-    fig, axes = plt.subplots(2, 1, figsize=(11, 3.6), sharex=True)
+    fig, axes = plt.subplots(2, 1, figsize=(8, 4.2), sharex=True)
     for ax, results, title in (
         (axes[0], before, "each rank picks its own dataset: call #i pairs different metrics"),
         (axes[1], after, "MixtureSampler: the same dataset on every rank, calls pair up"),
@@ -224,13 +249,38 @@ def plot_call_sequences(
                 ax.add_patch(
                     Rectangle((i, y - 0.4), 0.95, 0.8, color=colours[dataset], ec=edge, lw=2)
                 )
-                ax.text(i + 0.47, y, task, ha="center", va="center", fontsize=7, color="white")
+                ax.text(i + 0.47, y, task, ha="center", va="center", fontsize=9, color="white")
         ax.set_ylim(len(results) - 0.5, -0.5)
-        ax.set_yticks(range(len(results)), [f"rank {r['rank']}" for r in results])
-        ax.set_title(title, fontsize=9, loc="left")
+        ax.set_yticks(range(len(results)), [f"rank {r['rank']}" for r in results], fontsize=10)
+        ax.set_title(title, fontsize=10, loc="left")
     axes[1].set_xlim(0, first)
-    axes[1].set_xlabel("collective call number (black edge: ranks disagree on what it reduces)")
+    axes[1].set_xticks([i + 0.47 for i in range(first)], [f"#{i}" for i in range(first)])
+    axes[1].tick_params(axis="x", labelsize=10, length=0)
+    axes[1].set_xlabel("collective call (black edge: the ranks disagree on what it reduces)")
     handles = [Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
-    fig.legend(handles, list(colours), loc="upper right", ncol=3, fontsize=8)
-    fig.tight_layout()
+    fig.legend(handles, list(colours), loc="lower center", ncol=3, fontsize=10, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     return fig
+
+
+def skip_a_guarded_call(skip: str, timeout_s: float = 1.0) -> str:
+    """Worker: every rank makes three guarded all-reduces, ``val/loss``, ``val/acc``,
+    ``val/f1``, except that the last rank skips the one named ``skip``. Returns the error
+    this rank got (or "no error")."""
+    guard = CollectiveGuard(timeout_s=timeout_s)
+    last = dist.get_rank() == dist.get_world_size() - 1
+    try:
+        for name in ("val/loss", "val/acc", "val/f1"):
+            if not (last and name == skip):
+                guard.all_reduce(torch.ones(2, dtype=torch.float64), name=name)
+    except CollectiveMismatch as exc:
+        return str(exc)
+    return "no error"
+
+
+def wrap(text: str, width: int = 96) -> str:
+    """``text`` with every line folded at ``width`` columns (continuations indented)."""
+    return "\n".join(
+        textwrap.fill(line, width, subsequent_indent="    ", break_on_hyphens=False) or line
+        for line in text.splitlines()
+    )

@@ -4,21 +4,20 @@
 the number of GPUs changes (``step * old_ws // new_ws`` per-rank steps, skipped with a
 batch-skipping sampler over a `DistributedSampler`); `resumable_draws` does the same save and
 resume with `refimpl.data.ResumableSampler`. `count_lost_repeated` says how many samples of
-the epoch were never drawn or drawn twice (tail padding not counted). `train` is the spawned
-worker of the resume-equivalence runs; `stateful_dataloader_resume` runs torchdata's
-``StatefulDataLoader`` on simulated ranks. `loader_stop_resume` stops and resumes one
-simulated rank's epoch under a ``DataLoader`` with worker processes, saving the position
-three ways (the trainer's batch count, the sampler's own count, ``StatefulDataLoader``).
+the epoch were never drawn or drawn twice (tail padding not counted). `minimind_sizes` is the
+byte arithmetic of MiniMind's two checkpoint files. `train` is the spawned worker of the
+resume-equivalence runs (`resume_experiment`); `ddp_gradient_at_float32_max` shows where
+DDP divides by the world size. The loader-side demos are in `refimpl.demos.loader_state`.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DistributedSampler
 
 from refimpl.checkpoint import load_latest, save_checkpoint
 from refimpl.data import ResumableSampler
@@ -93,6 +92,52 @@ def lost_repeated_table(
                  "minimind repeated": mr, "resumable lost": rl, "resumable repeated": rr}
             )  # fmt: skip
     return rows
+
+
+def minimind_sizes(
+    hidden: int = 512, layers: int = 8, heads: int = 8, kv_heads: int = 2, vocab: int = 6400
+) -> dict[str, int]:
+    """Tensor bytes of MiniMind's two checkpoint files, from its model's shapes.
+
+    The defaults are minimind2-small (``model/model_minimind.py`` at commit e8484874: no
+    biases, grouped-query attention, SwiGLU MLP of ``64 * ceil(int(8 * hidden / 3) / 64)``,
+    RMSNorms, the embedding tied to ``lm_head``). ``lm_checkpoint`` casts each state-dict key
+    with ``v.half()``, which copies the tied matrix once per key, so ``weights_fp16`` holds it
+    twice. ``resume_fp32`` is the resume file at e8484874 (fp32 weights, tied once, and
+    AdamW's two fp32 moments); ``resume_fp16`` the one since 5e1447b9 (the fp16 dict of the
+    weights file, and the moments). ``torch.save`` adds framing and AdamW's step counters."""
+    hd = hidden // heads
+    inter = 64 * -(-int(hidden * 8 / 3) // 64)
+    attention = hidden * heads * hd * 2 + hidden * kv_heads * hd * 2
+    layer = attention + 3 * hidden * inter + 2 * hidden
+    params = layers * layer + vocab * hidden + hidden  # + final norm; lm_head is the embedding
+    keys = params + vocab * hidden  # the state dict lists the tied matrix under two keys
+    return {
+        "params": params,
+        "weights_fp16": 2 * keys,
+        "resume_fp32": 4 * params + 8 * params,
+        "resume_fp16": 2 * keys + 8 * params,
+    }
+
+
+def ddp_gradient_at_float32_max() -> dict[str, float]:
+    """Spawned worker: where DDP divides by the world size, shown by overflow.
+
+    Every rank's gradient is 3e38 (float32's largest value is about 3.4e38). Summing first
+    overflows to inf on 2 ranks and stays inf after the division; dividing first gives 3e38.
+    Returns DDP's averaged gradient and a plain ``all_reduce`` sum of the same value divided
+    by the world size afterwards."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    net = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        net.weight.fill_(1.0)
+    DDP(net)(torch.full((1, 1), 3e38)).sum().backward()
+    assert net.weight.grad is not None
+    summed = torch.full((1,), 3e38)
+    dist.all_reduce(summed)
+    ws = dist.get_world_size()
+    return {"ddp": net.weight.grad.item(), "sum_then_divide": (summed / ws).item()}
 
 
 def _model(dropout: float) -> torch.nn.Module:
@@ -170,95 +215,6 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
         dist.barrier()
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
     return {"losses": losses, "order": order, "params": params if rank == 0 else None}
-
-
-def stateful_dataloader_resume(
-    n: int, batch_size: int, old_ws: int, new_ws: int, step: int, num_workers: int = 0
-) -> tuple[int, int]:
-    """torchdata's StatefulDataLoader over a DistributedSampler on simulated ranks: save each
-    rank's loader state after ``step`` batches at ``old_ws``, resume at ``new_ws`` (rank r
-    loads old rank ``r % old_ws``'s state: there is no other to give it). Returns
-    (lost, repeated); pick ``n`` divisible by both world sizes (no sampler padding)."""
-    from torchdata.stateful_dataloader import StatefulDataLoader
-
-    def loader(ws: int, r: int) -> Any:
-        data: Any = range(n)
-        s: DistributedSampler[int] = DistributedSampler(
-            data, num_replicas=ws, rank=r, shuffle=True, seed=0
-        )
-        return StatefulDataLoader(
-            list(range(n)), batch_size=batch_size, sampler=s, num_workers=num_workers
-        )
-
-    draws: Draws = []
-    states = []
-    for r in range(old_ws):
-        dl = loader(old_ws, r)
-        it = iter(dl)
-        for _ in range(step):
-            draws += [(int(i), False) for i in next(it)]
-        states.append(dl.state_dict())
-        del it
-    for r in range(new_ws):
-        dl = loader(new_ws, r)
-        dl.load_state_dict(states[r % old_ws])
-        for batch in dl:
-            draws += [(int(i), False) for i in batch]
-    return count_lost_repeated(n, draws)
-
-
-def loader_stop_resume(
-    dataset: Dataset[Any],
-    *,
-    batch_size: int,
-    rank: int,
-    world_size: int,
-    stop_after: int,
-    save: Literal["batches_done", "sampler_count", "stateful"] = "batches_done",
-    num_workers: int = 2,
-    seed: int = 0,
-) -> dict[str, Any]:
-    """One simulated rank's epoch through a loader with worker processes, run three times:
-    uninterrupted; stopped after ``stop_after`` consumed batches, saving the position; and
-    resumed from it in a fresh loader and sampler. ``save`` picks what is saved: the trainer's
-    count, ``sampler.state_dict(batches_done=stop_after)``; the sampler's own count of indices
-    handed out, ``sampler.state_dict()`` (wrong under prefetching); or torchdata's
-    ``StatefulDataLoader.state_dict()`` (the loader is then a ``StatefulDataLoader``, which
-    stores the sampler's ``state_dict()`` as it was when each batch was sent to a worker).
-    ``dataset`` yields 1-tuples of a number (a ``TensorDataset``). Returns the batches, as
-    lists, of the uninterrupted run (``"full"``), the stopped one (``"first"``) and the
-    resumed one (``"rest"``), the saved state (``"saved"``) and the sampler's own state at the
-    save (``"sampler_ahead"``, where its iterator had got to)."""
-    n = len(dataset)  # type: ignore[arg-type]
-
-    def fresh() -> tuple[ResumableSampler, Any]:
-        s = ResumableSampler(n, batch_size=batch_size, rank=rank, world_size=world_size, seed=seed)
-        if save == "stateful":
-            from torchdata.stateful_dataloader import StatefulDataLoader
-
-            return s, StatefulDataLoader(
-                dataset, batch_size=batch_size, sampler=s, num_workers=num_workers
-            )
-        return s, DataLoader(dataset, batch_size=batch_size, sampler=s, num_workers=num_workers)
-
-    def listed(batch: Any) -> list[int]:
-        return [int(i) for i in batch[0]]
-
-    full = [listed(b) for b in fresh()[1]]
-    sampler, loader = fresh()
-    it = iter(loader)
-    first = [listed(next(it)) for _ in range(stop_after)]
-    ahead = sampler.state_dict()
-    saved: dict[str, Any] = ahead
-    if save == "batches_done":
-        saved = sampler.state_dict(batches_done=stop_after)
-    elif save == "stateful":
-        saved = loader.state_dict()
-    del it  # the "crash": workers and prefetched batches are gone
-    sampler, loader = fresh()
-    (loader if save == "stateful" else sampler).load_state_dict(saved)
-    rest = [listed(b) for b in loader]
-    return {"full": full, "first": first, "rest": rest, "saved": saved, "sampler_ahead": ahead}
 
 
 def resume_experiment(

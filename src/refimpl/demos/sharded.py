@@ -134,8 +134,8 @@ def resharding_demo(
         out = spawn(load_worker, world, ckpt, ref, **LIMITS)
         step, _r, dm, do = out[0]
         lines.append(
-            f"loaded at {world} ranks: step {step}, rows per rank {[r[1] for r in out]}, "
-            f"max |diff| vs unsharded: model {dm:g}, optimizer {do:g}"
+            f"loaded at {world} rank{'s' if world > 1 else ''}: step {step}, "
+            f"rows per rank {[r[1] for r in out]}; max |diff|: model {dm:g}, optimizer {do:g}"
         )
     return lines
 

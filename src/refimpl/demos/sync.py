@@ -96,8 +96,8 @@ def plot_timeline(spans: list[dict[str, Any]], title: str, ax: Any = None) -> An
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    if ax is None:
-        _, ax = plt.subplots(figsize=(9, 2.4))
+    if ax is None:  # with the legend about 8 in: the book column, labels stay 10 pt
+        _, ax = plt.subplots(figsize=(7, 2.6))
     ranks = sorted({s["rank"] for s in spans})
     for s in spans:
         ax.barh(
@@ -111,7 +111,7 @@ def plot_timeline(spans: list[dict[str, Any]], title: str, ax: Any = None) -> An
     ax.set_title(title)
     handles = [Patch(color=c, label=p) for p, c in _COLORS.items()]
     handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="raised / killed"))
-    ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=9)
     return ax
 
 

@@ -259,14 +259,22 @@ def plot_attempts(summary: Sequence[dict[str, Any]], ax: Any = None) -> Any:
     import matplotlib.pyplot as plt
 
     ax = ax if ax is not None else plt.subplots(figsize=(8, 0.6 + 0.5 * len(summary)))[1]
+    right = 0.0
     for row, a in enumerate(summary):
         first = (a["resumed_from"] or 0) + 1
         last = max(a["losses"], default=first - 1)
         ax.barh(row, last - first + 1, left=first - 0.5, height=0.5, color="C0", alpha=0.6)
         ax.plot(a["saved"], [row] * len(a["saved"]), "o", color="C2", label="_")
+        end = last + 0.5  # the label starts right of the bar, or of the cross where it died
         if a["end"].startswith("fault"):
-            ax.plot(int(a["end"].rsplit(" ", 1)[1]), row, "x", color="C3", ms=12, mew=3)
-        ax.text(last + 0.7, row, a["end"], va="center", fontsize=8)
+            died = int(a["end"].rsplit(" ", 1)[1])
+            ax.plot(died, row, "x", color="C3", ms=12, mew=3)
+            end = max(end, died + 0.4)
+        ax.text(end + 0.2, row, a["end"], va="center", fontsize=9)
+        right = max(right, end)
+    ax.set_xlim(0.3, right + 0.2 + 0.3 * max(len(a["end"]) for a in summary))
+    steps = int(right)
+    ax.set_xticks(range(1 if steps < 10 else 2, steps + 1, 1 if steps < 10 else 2))
     ax.set_yticks(range(len(summary)), [f"attempt {a['attempt']}" for a in summary])
     ax.invert_yaxis()
     ax.set_xlabel("step (dots: checkpoints saved)")

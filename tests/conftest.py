@@ -1,0 +1,117 @@
+"""The order in which `make test` hands files to its two pytest-xdist workers.
+
+``make test`` runs each file (a notebook, a test module) as one unit on one worker
+(``--dist loadfile --no-loadscope-reorder``). Units are handed out in collection order, so the
+longest go first: the short ones then fill in at the end on whichever worker frees up, and
+neither core sits idle while the other finishes a two-minute file (the longest-first rule for
+scheduling jobs on identical machines). Without this, pytest-xdist orders files by their number
+of tests, which puts files of a few long torchrun jobs last.
+
+It also checks that a run leaves the repository as it found it: a chapter that writes a figure
+into ``book/`` or a test that leaves a file behind fails the run (a reader's run must never
+dirty the clone; ``git status --porcelain`` is compared before and after).
+
+``_SECONDS`` is what each file took in one ``make test`` on the 2-core machine (``--durations``),
+rounded; a file not listed counts as ``_DEFAULT``. A stale entry only costs balance, never
+correctness: refresh it when a file's time changes by much.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_DEFAULT = 5
+_SECONDS = {
+    "notebooks/10_fault_tolerant_training.ipynb": 289,
+    "tests/test_chaos_trainers.py": 99,
+    "tests/test_train.py": 87,
+    "notebooks/11_porting_an_existing_script.ipynb": 75,
+    "tests/test_launch.py": 69,
+    "notebooks/02_ddp_from_the_inside.ipynb": 67,
+    "notebooks/04_barriers_rank0_saving.ipynb": 61,
+    "tests/test_train_sharded.py": 61,
+    "tests/test_multinode.py": 40,
+    "tests/test_restarts.py": 37,
+    "tests/test_checkpoint.py": 34,
+    "notebooks/05_atomic_saves.ipynb": 31,
+    "notebooks/06_checkpoint_exact_resume.ipynb": 29,
+    "tests/test_sync.py": 26,
+    "tests/test_ddp_details.py": 23,
+    "tests/test_special_files.py": 22,
+    "tests/test_resume.py": 20,
+    "notebooks/03_buckets_and_hooks.ipynb": 20,
+    "tests/test_bench_reshard.py": 19,
+    "tests/test_chaos.py": 16,
+    "tests/test_bench_save.py": 13,
+    "notebooks/08_sharded_checkpoints.ipynb": 12,
+    "notebooks/07_multi_dataset_sync.ipynb": 11,
+    "tests/test_ddp.py": 11,
+    "tests/test_multitask.py": 10,
+    "tests/test_collectives.py": 10,
+    "tests/test_sharded.py": 10,
+    "tests/test_faults.py": 9,
+    "tests/test_buckets.py": 9,
+    "tests/test_sharded_async_exit.py": 9,
+    "tests/test_chaos_runs.py": 9,
+    "notebooks/09_async_saves.ipynb": 8,
+    "tests/test_trainstate.py": 8,
+    "tests/test_hangs.py": 7,
+    "tests/test_guard.py": 7,
+    "tests/test_metrics.py": 7,
+    "notebooks/01_processes_ranks_collectives.ipynb": 7,
+    "tests/test_porting.py": 6,
+    "tests/test_sharded_runs.py": 6,
+    "tests/test_train_schedule.py": 6,
+}
+
+
+def expected_seconds(nodeid: str) -> int:
+    """The time a test's file is expected to take, from its node id (``path::name``)."""
+    return _SECONDS.get(nodeid.split("::", 1)[0], _DEFAULT)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # A stable sort: the tests (cells) of one file keep their order.
+    items.sort(key=lambda item: -expected_seconds(item.nodeid))
+
+
+def _git_status() -> set[str] | None:
+    try:
+        done = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=all"],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return set(done.stdout.splitlines()) if done.returncode == 0 else None  # not a clone: skip
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist)
+        session.config.stash[_STATUS] = _git_status()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    before = session.config.stash.get(_STATUS, None)
+    if before is None or hasattr(session.config, "workerinput"):
+        return
+    after = _git_status()
+    new = sorted((after or set()) - before)
+    if new:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = (
+            "the run changed the repository (chapters and tests must write under a temporary "
+            "directory):\n" + "\n".join(f"  {line}" for line in new)
+        )
+        if reporter is not None:
+            reporter.write_line("")
+            reporter.write_line(message, red=True, bold=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_STATUS = pytest.StashKey[set[str] | None]()
