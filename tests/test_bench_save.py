@@ -100,3 +100,34 @@ def test_the_reused_stager_saves_the_values_of_each_call(tmp_path: Path, process
 def test_fewer_than_five_repeats_are_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="at least 5"):
         main(["--out", str(tmp_path), "--sizes-mb", "1", "--repeats", "2", "--quiet"])
+
+
+def test_the_figures_leave_pyplot_and_its_backend_alone() -> None:
+    """The chapter's figures are plain ``Figure`` objects: drawing them neither picks a
+    backend (``matplotlib.use("Agg")`` would turn a notebook's inline figures off) nor
+    registers a pyplot figure that a notebook would show a second time."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
+
+    from refimpl.bench._save_figure import blocking_estimate_figure, overhead_figure
+
+    def row(method: str, nbytes: int, blocked: float, total: float) -> dict[str, object]:
+        return {
+            "method": method, "bytes": nbytes, "blocking_s_median": blocked,
+            "blocking_s_min": blocked * 0.9, "blocking_s_max": blocked * 1.2,
+            "total_s_median": total, "total_s_min": total * 0.9, "total_s_max": total * 1.1,
+        }  # fmt: skip
+
+    data = {
+        "rows": [
+            row(m, n << 20, b * n / 256, t * n / 256)
+            for n in (256, 1024)
+            for m, b, t in [("floor_memcpy", 0.03, 0.03), ("dcp_async_staged", 0.04, 0.5)]
+        ]
+    }
+    backend, before = matplotlib.get_backend(), plt.get_fignums()
+    figures = [overhead_figure(data), blocking_estimate_figure(14.3, 1.0, 20.0)]
+    assert all(isinstance(f, Figure) for f in figures)
+    assert [len(f.axes) for f in figures] == [2, 1]
+    assert matplotlib.get_backend() == backend and plt.get_fignums() == before

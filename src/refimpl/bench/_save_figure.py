@@ -78,16 +78,15 @@ def _bars(
 
 
 def overhead_figure(data: dict[str, Any]) -> Any:
-    """The figure (a matplotlib ``Figure``) for the benchmark result ``data``."""
-    import matplotlib.pyplot as plt
+    """The figure (a matplotlib ``Figure``, made without pyplot: no backend is chosen or
+    changed, and a notebook displays the returned figure) for the benchmark result ``data``."""
+    from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter
 
     sizes = _sizes(data)
     methods = list(dict.fromkeys(r["method"] for r in data["rows"]))
-    fig, axes = plt.subplots(
-        1, len(sizes), figsize=(3.0 * len(sizes) + 2.2, 0.44 * len(methods) + 1.9),
-        sharey=True, squeeze=False,
-    )  # fmt: skip
+    fig = Figure(figsize=(3.0 * len(sizes) + 2.2, 0.44 * len(methods) + 1.9))
+    axes = fig.subplots(1, len(sizes), sharey=True, squeeze=False)
     y = list(range(len(methods)))
     for ax, nbytes in zip(axes[0], sizes, strict=True):
         rows = {r["method"]: r for r in data["rows"] if r["bytes"] == nbytes}
@@ -134,12 +133,14 @@ def overhead_table(data: dict[str, Any]) -> str:
 def blocking_estimate_figure(state_gib: float, disk_gibps: float, copy_gibps: float) -> Any:
     """Seconds training is blocked per save, as arithmetic on two throughputs: a synchronous
     save writes ``state_gib`` at ``disk_gibps``, a staged async save copies it at
-    ``copy_gibps``. The floors only: real saves add fixed costs (planning, metadata)."""
-    import matplotlib.pyplot as plt
+    ``copy_gibps``. The floors only: real saves add fixed costs (planning, metadata).
+    A matplotlib ``Figure`` made without pyplot, like `overhead_figure`."""
+    from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter
 
     sync_s, async_s = state_gib / disk_gibps, state_gib / copy_gibps
-    fig, ax = plt.subplots(figsize=(7.5, 2.4))
+    fig = Figure(figsize=(7.5, 2.4))
+    ax = fig.subplots()
     ax.barh(
         ["sync save\n(write + fsync)", "staged async\n(one copy)"],
         [sync_s, async_s],

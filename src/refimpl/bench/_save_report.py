@@ -74,15 +74,8 @@ GOALS = {  # ratio name: (comparison, bound)
 
 
 def _plot(data: dict[str, Any], out: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig = overhead_figure(data)
     path = out / "save.png"
-    fig.savefig(path, dpi=150)
-    plt.close(fig)
+    overhead_figure(data).savefig(path, dpi=150)  # a pyplot-free Figure: no backend needed
     return path
 
 
@@ -133,6 +126,7 @@ def run_overhead(
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
             "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),  # intra-op threads of the training steps
             "note": "one process (plus DCP's checkpoint daemon), CPU tensors, local disk; "
             "shared machine: compare ratios",
             "load_average_1min": [load_at_start, os.getloadavg()[0]],  # at start, at end
