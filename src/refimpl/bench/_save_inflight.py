@@ -2,10 +2,11 @@
 
 A small MLP trains on the benchmark's process while a staged ``dcp.async_save`` of the state
 is written in the background by one of three writers (`WRITERS`): DCP's thread checkpointer
-as it comes, the same thread at a lower CPU priority (`refimpl.sharded.LowPriorityWriter`, what
-`AsyncSaver` uses), and DCP's process checkpointer (a daemon with an interpreter and a GIL of
-its own). Steps alone and steps during each kind of save are measured interleaved, the order
-rotating every round, so load from elsewhere on a shared machine hits every kind alike.
+as it comes, the same thread at a lower CPU priority
+(``refimpl._low_priority.LowPriorityWriter``, what `AsyncSaver` uses), and DCP's process
+checkpointer (a daemon with an interpreter and a GIL of its own). Steps alone and steps
+during each kind of save are measured interleaved, the order rotating every round, so load
+from elsewhere on a shared machine hits every kind alike.
 
 Beside the step times: the CPU seconds the writing thread spent per save (thread writers),
 the training time lost per save (the steps' excess over a step alone, summed), and how long a

@@ -17,8 +17,9 @@ equal.
 - ``dcp_async_staged``: ``dcp.async_save`` with one ``DefaultStager`` kept across saves, which
   reuses its staging buffers after the first save (pinned and shared memory off: there is no
   GPU here);
-- ``dcp_async_staged_low``: the same, written by `refimpl.sharded.LowPriorityWriter`: the
-  writing thread at nice 19, as `AsyncSaver` writes;
+- ``dcp_async_staged_low``: the same, written by
+  ``refimpl._low_priority.LowPriorityWriter``: the writing thread at nice 19, as
+  `AsyncSaver` writes;
 - ``dcp_async_process``: the same, with ``async_checkpointer_type=AsyncCheckpointerType.PROCESS``:
   the write runs in DCP's checkpoint daemon (a spawned process with its own interpreter, so
   no GIL shared with training) and the staging buffers are in shared memory, which the
