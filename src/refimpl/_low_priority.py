@@ -5,12 +5,12 @@ keeps a scheduling priority per thread, so the writing thread alone can be given
 nice value: the scheduler then runs it first when a core would otherwise idle.
 
 What that buys depends on idle cores. On the book's 2-core machine, where training keeps
-both cores busy (``python -m refimpl.bench save --sizes-mb 256 1024``, chapter 9), the
-nice-19 writer slowed fewer of the steps it overlapped at 256 MiB (median step 1.04x a step
-alone, DCP's plain thread 1.10x) but not at 1 GiB (1.24x against 1.10x); the training time
-lost per save was no smaller (0.36 s against 0.26 s at 256 MiB: about the writer's own CPU
-seconds), and the checkpoint became durable 2-3x later. The write's CPU work is moved, not
-removed.
+both cores busy (``python -m refimpl.bench save --sizes-mb 256 1024``, three runs, chapter
+9), it bought nothing measurable: the median step during a nice-19 save at 256 MiB was
+1.04-1.57x a step alone, against 1.10-1.24x with the writer at the trainer's priority; the
+training time lost per save was about the same (0.23-0.36 s against 0.26-0.33 s: about the
+writer's own CPU seconds); and the checkpoint became durable 2-3x later. The write's CPU
+work is moved, not removed.
 """
 
 from __future__ import annotations

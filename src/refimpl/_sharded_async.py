@@ -172,9 +172,9 @@ class AsyncSaver:
     ``writer_nice`` (19 by default; 0 keeps the caller's priority) lowers the CPU priority of
     the threads that write and commit (``refimpl._low_priority``; Linux keeps a nice value per
     thread), so they take the CPU time training leaves idle first. Where training keeps every
-    core busy, that moves the write's cost rather than removing it: on the book's 2-core
-    machine, fewer slowed steps at 256 MiB, no less training time lost per save, and the
-    checkpoint durable 2-3x later (chapter 9).
+    core busy, that does not make the write cheaper: on the book's 2-core machine (three
+    runs), the steps it overlapped were slowed as much or more, about as much training time
+    was lost per save, and the checkpoint was durable 2-3x later (chapter 9).
 
     The background write runs in a thread of this process (DCP's default,
     ``AsyncCheckpointerType.THREAD``); there is no process mode. torch 2.13's
