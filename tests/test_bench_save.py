@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,21 +35,33 @@ def test_overhead_benchmark_rows_ratios_and_plot(tmp_path: Path) -> None:
         if not r["method"].startswith("dcp_async"):  # synchronous: blocked for all of it
             assert r["blocking_s_median"] == r["total_s_median"]
     assert set(data["ratios"]) == {"2", "4"} and set(data["train_step"]) == {"2", "4"}
-    assert data["train_step"]["2"]["steps_during_save"] >= 1
-    assert data["train_step"]["2"]["steps_during_process_save"] >= 1
+    for kind in ("save", "low_save", "process_save"):
+        assert data["train_step"]["2"][f"steps_during_{kind}"] >= 1, kind
     for size, ratios in data["ratios"].items():  # thread vs process, side by side, per size
         for name in (
             "dcp_async_process blocking / floor_memcpy",
             "dcp_async_process blocking / dcp_async_staged blocking",
             "dcp_async_process total / dcp_async_staged total",
+            "dcp_async_staged_low blocking / floor_memcpy",
+            "dcp_async_staged_low total / dcp_async_staged total",
             "train step during thread save / alone",
+            "train step during low-priority thread save / alone",
             "train step during process save / alone",
         ):
             assert math.isfinite(ratios[name]) and ratios[name] > 0, (size, name)
         steps = data["train_step"][size]
-        for kind in ("alone", "during_save", "during_process_save"):
+        for kind in ("alone", "during_save", "during_low_save", "during_process_save"):
             lo, mid, hi = (steps[f"step_s_{s}_{kind}"] for s in ("min", "median", "max"))
             assert 0 < lo <= mid <= hi, (size, kind)
+        for kind in ("save", "low_save"):  # the writing thread's CPU time, measured in it
+            assert 0 < steps[f"writer_cpu_s_median_{kind}"] < steps[f"save_s_median_{kind}"]
+        assert "writer_cpu_s_median_process_save" not in steps  # not measurable from here
+        if sys.platform == "linux":  # a spinning thread's wait for the GIL, from schedstat
+            gil = data["gil_wait"][size]
+            assert set(gil) == {
+                f"gil_wait_fraction_{k}" for k in ("save", "low_save", "process_save")
+            }
+            assert all(0 <= v < 1 for v in gil.values()), gil
     # the benchmark's one-rank group and DCP's checkpoint daemon are gone afterwards
     assert not dist.is_initialized()
     assert _async_process_executor._CHECKPOINT_PROCESS is None
@@ -87,3 +100,34 @@ def test_the_reused_stager_saves_the_values_of_each_call(tmp_path: Path, process
 def test_fewer_than_five_repeats_are_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="at least 5"):
         main(["--out", str(tmp_path), "--sizes-mb", "1", "--repeats", "2", "--quiet"])
+
+
+def test_the_figures_leave_pyplot_and_its_backend_alone() -> None:
+    """The chapter's figures are plain ``Figure`` objects: drawing them neither picks a
+    backend (``matplotlib.use("Agg")`` would turn a notebook's inline figures off) nor
+    registers a pyplot figure that a notebook would show a second time."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
+
+    from refimpl.bench._save_figure import blocking_estimate_figure, overhead_figure
+
+    def row(method: str, nbytes: int, blocked: float, total: float) -> dict[str, object]:
+        return {
+            "method": method, "bytes": nbytes, "blocking_s_median": blocked,
+            "blocking_s_min": blocked * 0.9, "blocking_s_max": blocked * 1.2,
+            "total_s_median": total, "total_s_min": total * 0.9, "total_s_max": total * 1.1,
+        }  # fmt: skip
+
+    data = {
+        "rows": [
+            row(m, n << 20, b * n / 256, t * n / 256)
+            for n in (256, 1024)
+            for m, b, t in [("floor_memcpy", 0.03, 0.03), ("dcp_async_staged", 0.04, 0.5)]
+        ]
+    }
+    backend, before = matplotlib.get_backend(), plt.get_fignums()
+    figures = [overhead_figure(data), blocking_estimate_figure(14.3, 1.0, 20.0)]
+    assert all(isinstance(f, Figure) for f in figures)
+    assert [len(f.axes) for f in figures] == [2, 1]
+    assert matplotlib.get_backend() == backend and plt.get_fignums() == before

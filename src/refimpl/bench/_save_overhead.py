@@ -1,9 +1,10 @@
 """``python -m refimpl.bench save --sizes-mb 256 1024 --out DIR``: what saving costs training.
 
-For each state size, every method saves the same state, round robin, one cold round and then
-``--repeats`` timed rounds. Each method reports two times: **blocking** (how long the
-training loop is stopped: until the call returns) and **total** (until the checkpoint is on
-disk and fsynced). For a synchronous save they are equal.
+For each state size, every method saves the same state, round robin (the order rotating
+every round), one cold round and then ``--repeats`` timed rounds. Each method reports two
+times: **blocking** (how long the training loop is stopped: until the call returns) and
+**total** (until the checkpoint is on disk and fsynced). For a synchronous save they are
+equal.
 
 - ``floor_memcpy``: copy the state into pre-allocated buffers, the least any save that
   snapshots the state must block for;
@@ -16,17 +17,20 @@ disk and fsynced). For a synchronous save they are equal.
 - ``dcp_async_staged``: ``dcp.async_save`` with one ``DefaultStager`` kept across saves, which
   reuses its staging buffers after the first save (pinned and shared memory off: there is no
   GPU here);
+- ``dcp_async_staged_low``: the same, written by
+  ``refimpl._low_priority.LowPriorityWriter``: the writing thread at nice 19, as
+  `AsyncSaver` writes;
 - ``dcp_async_process``: the same, with ``async_checkpointer_type=AsyncCheckpointerType.PROCESS``:
   the write runs in DCP's checkpoint daemon (a spawned process with its own interpreter, so
   no GIL shared with training) and the staging buffers are in shared memory, which the
   daemon maps. The daemon is started by the cold round (``cold_*`` in its row).
 
-Beside them, training step time alone and with a staged save in flight, written by a thread
-(``dcp_async_staged``) and by the daemon (``dcp_async_process``): the cost of the background
-write to the steps that overlap it (here, on a disk and two CPU cores shared with compute).
-Saves use ``no_dist=True``, but the process checkpointer needs a process group to start its
-daemon, so the benchmark runs in a one-rank gloo group (`one_rank_group`); the chapters'
-multi-rank saves are measured in their notebooks.
+Beside them (`refimpl.bench._save_inflight`), training step time alone and with a staged save
+in flight, by each writer: the cost of the background write to the steps that overlap it
+(here, on a disk and two CPU cores shared with compute). Saves use ``no_dist=True``, but
+the process checkpointer needs a process group to start its daemon, so the benchmark runs in
+a one-rank gloo group (`one_rank_group`); the chapters' multi-rank saves are measured in their
+notebooks.
 """
 
 from __future__ import annotations
@@ -47,16 +51,12 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from refimpl._low_priority import LowPriorityWriter
 from refimpl.atomic import atomic_save
 from refimpl.bench import summarize
+from refimpl.bench._save_inflight import LOW_NICE
 
-__all__ = [
-    "METHODS",
-    "make_stager",
-    "measure_size",
-    "one_rank_group",
-    "step_time_with_background_save",
-]
+__all__ = ["METHODS", "make_stager", "measure_size", "one_rank_group"]
 
 METHODS = (
     "floor_memcpy",
@@ -67,6 +67,7 @@ METHODS = (
     "dcp_sync",
     "dcp_async",
     "dcp_async_staged",
+    "dcp_async_staged_low",
     "dcp_async_process",
 )
 PROCESS = AsyncCheckpointerType.PROCESS
@@ -92,13 +93,21 @@ def _sync(fn: Callable[[Path], object]) -> Timed:
 
 
 def _start(
-    state: dict[str, torch.Tensor], path: Path, stager: DefaultStager | None, process: bool
+    state: dict[str, torch.Tensor],
+    path: Path,
+    stager: DefaultStager | None,
+    process: bool,
+    nice: int = 0,
 ) -> Any:
     """Start one ``dcp.async_save`` of ``state`` to ``path``; return its future."""
     kwargs: dict[str, Any] = {} if stager is None else {"async_stager": stager}
     if process:
         kwargs["async_checkpointer_type"] = PROCESS
-    return dcp_async_save({"model": state}, checkpoint_id=path, no_dist=True, **kwargs)
+    if nice:
+        kwargs["storage_writer"] = LowPriorityWriter(path, nice=nice)
+    else:
+        kwargs["checkpoint_id"] = path
+    return dcp_async_save({"model": state}, no_dist=True, **kwargs)
 
 
 def _methods(
@@ -126,10 +135,12 @@ def _methods(
         torch.save(state, path)
         _fsync_file(path)
 
-    def async_timed(stager_for_call: DefaultStager | None, process: bool = False) -> Timed:
+    def async_timed(
+        stager_for_call: DefaultStager | None, process: bool = False, nice: int = 0
+    ) -> Timed:
         def timed(path: Path) -> tuple[float, float]:
             start = time.perf_counter()
-            future = _start(state, path, stager_for_call, process)
+            future = _start(state, path, stager_for_call, process, nice)
             blocking = time.perf_counter() - start
             future.result()  # the background write, fsync included, is done
             return blocking, time.perf_counter() - start
@@ -145,6 +156,7 @@ def _methods(
         "dcp_sync": _sync(lambda p: dcp_save({"model": state}, checkpoint_id=p, no_dist=True)),
         "dcp_async": async_timed(None),
         "dcp_async_staged": async_timed(stager),
+        "dcp_async_staged_low": async_timed(stager, nice=LOW_NICE),
         "dcp_async_process": async_timed(shared, process=True),
     }
 
@@ -179,10 +191,14 @@ def measure_size(
     total: dict[str, list[float]] = {m: [] for m in todo}
     cold: dict[str, tuple[float, float]] = {}
     try:
+        names = list(todo)
         for rnd in range(repeats + 1):
-            for name, timed in todo.items():
+            # the order rotates each timed round, so that no method always follows the same
+            # one (a method that frees a gigabyte of pages slows whichever comes next)
+            shift = (rnd - 1) % len(names) if rnd else 0
+            for name in names[shift:] + names[:shift]:
                 path = scratch / f"{name}_{rnd}"
-                blocked_s, total_s = timed(path)
+                blocked_s, total_s = todo[name](path)
                 _clean(path)
                 if rnd == 0:
                     cold[name] = (blocked_s, total_s)  # first buffers, first files: apart
@@ -208,56 +224,6 @@ def measure_size(
     return rows
 
 
-def step_time_with_background_save(
-    state: dict[str, torch.Tensor], scratch: Path, steps: int = 30, width: int = 1024
-) -> dict[str, float]:
-    """Seconds per training step of a small MLP (median, min, max): alone, and while a staged
-    async save of ``state`` is written in the background by a thread (``during_save``) and by
-    DCP's checkpoint daemon (``during_process_save``); steps counted only while in flight."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width)
-    )
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x = torch.randn(64, width)
-
-    def step() -> float:
-        start = time.perf_counter()
-        model(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        return time.perf_counter() - start
-
-    for _ in range(3):
-        step()  # warm-up
-    alone: list[float] = []
-    during: dict[str, list[float]] = {"during_save": [], "during_process_save": []}
-    stagers = {"during_save": make_stager(), "during_process_save": make_stager(shared=True)}
-    try:
-        # Interleaved: steps alone, then steps while each kind of save is in flight, three
-        # times over, so that load from elsewhere on a shared machine hits every kind alike.
-        for k in range(3):
-            for kind, stager in stagers.items():
-                alone += [step() for _ in range(steps // 6)]
-                path = scratch / f"inflight_{kind}_{k}"
-                future = _start(state, path, stager, process=kind == "during_process_save")
-                while not future.done():
-                    during[kind].append(step())
-                future.result()
-                _clean(path)
-    finally:
-        for stager in stagers.values():
-            stager.close()
-    out: dict[str, float] = {}
-    for kind, samples in {"alone": alone, **during}.items():
-        summary = summarize(samples or [float("nan")])
-        for stat in ("median", "min", "max"):
-            out[f"step_s_{stat}_{kind}"] = summary[stat]
-        if kind != "alone":
-            out[f"steps_{kind}"] = float(len(samples))
-    return out
-
-
 @contextlib.contextmanager
 def one_rank_group(scratch: Path) -> Iterator[None]:
     """A one-rank gloo process group for the benchmark's process checkpointer, unless one is
@@ -279,5 +245,6 @@ def one_rank_group(scratch: Path) -> Iterator[None]:
         if daemon is not None:
             _async_process_executor._CHECKPOINT_PROCESS = None
             daemon.__del__()  # asks the daemon to exit, SIGTERM after 5 s
+            daemon._save_process.join(timeout=10)  # gone: its __del__ at collection is a no-op
         if owned:
             dist.destroy_process_group()

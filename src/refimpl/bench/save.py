@@ -123,16 +123,14 @@ def _clean(path: Path) -> None:
 
 
 def _plot(results: dict[str, Any], out: Path, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no backend is chosen or changed
 
     names = list(results)
     med = [results[n]["median"] * 1e3 for n in names]
     lo = [m - results[n]["min"] * 1e3 for m, n in zip(med, names, strict=True)]
     hi = [results[n]["max"] * 1e3 - m for m, n in zip(med, names, strict=True)]
-    fig, ax = plt.subplots(figsize=(8, 3.6))
+    fig = Figure(figsize=(8, 3.6))
+    ax = fig.subplots()
     ax.barh(names, med, xerr=[lo, hi], color="tab:blue", capsize=3)
     ax.invert_yaxis()
     ax.set_xlabel("milliseconds per save (median, min-max)")
@@ -140,7 +138,6 @@ def _plot(results: dict[str, Any], out: Path, title: str) -> Path:
     fig.tight_layout()
     path = out / "save.png"
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 
