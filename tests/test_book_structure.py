@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import nbformat
+import pybtex.database
 import pytest
 import yaml
 
@@ -82,6 +83,11 @@ def test_every_public_refimpl_module_is_in_the_api_reference() -> None:
 def test_every_citation_has_a_bibliography_entry() -> None:
     bib = (ROOT / "book" / "references.bib").read_text()
     keys = set(re.findall(r"@\w+\{([^,]+),", bib))
+    # Parsed as the book's build parses it (pybtex, strict: a duplicate field or an entry
+    # swallowed by a lost brace, as two merges left it once, is an error here, not a warning).
+    parsed = pybtex.database.parse_string(bib, "bibtex")
+    assert set(parsed.entries) == keys, sorted(keys ^ set(parsed.entries))
+    assert all("title" in e.fields for e in parsed.entries.values())
     cited: set[str] = set()
     sources = [p.read_text() for p in (ROOT / "book").glob("*.md")]
     for nb in (ROOT / "notebooks").glob("*.ipynb"):
@@ -117,15 +123,16 @@ def test_no_refimpl_code_switches_the_matplotlib_backend() -> None:
     for path in sorted((ROOT / "src" / "refimpl").rglob("*.py")):
         code = [ln for ln in path.read_text().splitlines() if not ln.lstrip().startswith("#")]
         assert not any("matplotlib.use(" in ln for ln in code), path.relative_to(ROOT)
+    # Choosing the backend in a chapter's first code cell is set-up; later, a workaround.
     switches = [
-        f"{nb.name} cell {i}"
+        f"{nb.name} code cell {i}"
         for nb in sorted((ROOT / "notebooks").glob("*.ipynb"))
-        for i, cell in enumerate(nbformat.read(nb, as_version=4).cells)
-        if cell.cell_type == "code" and "%matplotlib inline" in cell.source
+        for i, cell in enumerate(
+            c for c in nbformat.read(nb, as_version=4).cells if c.cell_type == "code"
+        )
+        if i > 0 and "%matplotlib" in cell.source
     ]
-    assert not switches, (
-        f"a cell switches back to inline figures (whose backend changed?): {switches}"
-    )
+    assert not switches, f"a cell switches the backend back (who changed it?): {switches}"
 
 
 _HEADING = re.compile(r"#{1,6} ")

@@ -89,8 +89,16 @@ def test_async_saver_writes_and_commits_from_low_priority_threads(tmp_path: Path
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 4)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        saver = AsyncSaver(writer_nice=13)
         before = _nice()
+        default = AsyncSaver()  # the measured choice: the trainer's priority (chapter 9)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("refimpl._sharded_async.LowPriorityWriter", _Observed)
+            default.save(tmp_path / "default", model, opt, 1).result(timeout=60)
+        default_commit_nice = default._pool.submit(_nice).result()
+        default.close()
+        assert _Observed.seen == [before] and default_commit_nice == before, _Observed.seen
+        _Observed.seen = []
+        saver = AsyncSaver(writer_nice=13)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr("refimpl._sharded_async.LowPriorityWriter", _Observed)
             path = saver.save(tmp_path / "ckpt", model, opt, 1).result(timeout=60)

@@ -31,7 +31,7 @@ SETUP = {
     "03": ("def partition_png(",),
     "04": ("import os",),
     "05": ("import dataclasses",),
-    "09": ("import io", "def bars_png("),
+    "09": ("%matplotlib inline",),
     "10": (
         "import inspect",
         "from torch.distributed.elastic.agent.server.api import SimpleElasticAgent",

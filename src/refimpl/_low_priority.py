@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 __all__ = ["WRITER_NICE", "LowPriorityWriter", "lower_thread_priority"]
 
-WRITER_NICE = 19  # AsyncSaver's default: the module docstring has the measured trade-off
+WRITER_NICE = 19  # LowPriorityWriter's default; AsyncSaver's is 0 (the docstring says why)
 
 
 def lower_thread_priority(nice: int) -> bool:

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import async_save
 from torch.distributed.tensor import DTensor
 
-from refimpl._low_priority import WRITER_NICE, LowPriorityWriter, lower_thread_priority
+from refimpl._low_priority import LowPriorityWriter, lower_thread_priority
 from refimpl._sharded_errors import dcp_errors
 from refimpl._sharded_group import Group, commit_step, discard, prepare_step
 from refimpl._sharded_state import pack_checked
@@ -169,12 +169,13 @@ class AsyncSaver:
     pins (pinned memory cannot be swapped out: for a host short of RAM). On CPU-only
     machines the buffers are ordinary memory either way.
 
-    ``writer_nice`` (19 by default; 0 keeps the caller's priority) lowers the CPU priority of
+    ``writer_nice`` (0 by default: the caller's priority; 1-19) lowers the CPU priority of
     the threads that write and commit (``refimpl._low_priority``; Linux keeps a nice value per
     thread), so they take the CPU time training leaves idle first. Where training keeps every
     core busy, that does not make the write cheaper: on the book's 2-core machine (three
-    runs), the steps it overlapped were slowed as much or more, about as much training time
-    was lost per save, and the checkpoint was durable 2-3x later (chapter 9).
+    runs), nice 19 slowed the steps it overlapped as much or more, lost about as much
+    training time per save, and made the checkpoint durable 2-3x later (chapter 9), which is
+    why it is not the default. On a host whose trainer leaves cores idle, try 19.
 
     The background write runs in a thread of this process (DCP's default,
     ``AsyncCheckpointerType.THREAD``); there is no process mode. torch 2.13's
@@ -198,7 +199,7 @@ class AsyncSaver:
         *,
         timeout_s: float | None = None,
         pinned_memory: bool | None = None,
-        writer_nice: int = WRITER_NICE,
+        writer_nice: int = 0,
     ) -> None:
         if not 0 <= writer_nice <= 19:
             raise ValueError(f"writer_nice must be an int from 0 to 19, got {writer_nice!r}")

@@ -35,7 +35,7 @@ from refimpl.bench import summarize
 
 __all__ = ["LOW_NICE", "WRITERS", "gil_wait", "step_times"]
 
-LOW_NICE = 19  # AsyncSaver's default writer_nice
+LOW_NICE = 19  # the low-priority row: AsyncSaver(writer_nice=19)
 WRITERS = {  # kind: (DCP's process checkpointer?, nice of the writing thread)
     "save": (False, 0),
     "low_save": (False, LOW_NICE),
