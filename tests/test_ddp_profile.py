@@ -19,13 +19,19 @@ def test_miniddp_makes_grad_the_bucket_inside_each_hook() -> None:
 def test_late_views_fault_the_gradients_in_again_on_every_step() -> None:
     """A page-fault count, not a time: on the benchmark's model (45 MB of gradients in 2.25 MB
     tensors) keeping every fresh gradient alive until the end of backward makes each step
-    fault in about the whole gradient size again (11,535 pages of 4 KiB) with glibc's
-    malloc; freeing each one in its hook leaves a few hundred faults, as DDP(view) has."""
+    fault in much of the gradient memory again (up to 11,535 pages of 4 KiB) with glibc's
+    malloc; freeing each one in its hook leaves a few hundred faults, as DDP(view) has.
+
+    How much of the freed 45 MB glibc gives back depends on where it lies in the heap (only
+    the top is trimmed), so on what the process allocated before: in forked ranks whose
+    server had loaded more modules, the late version faulted 5,459 pages per step once
+    instead of about 10,300. The comparison is what holds: at least 3x the fixed versions."""
     pages = 20 * (768 * 768 + 768) * 4 // 4096  # 11,535 pages of gradients
     rows = spawn(profile_step, 2, (768,) * 21, 16, 25.0, 3, 2, timeout_s=170)[0]
     faults = {version: row["page faults"] for version, row in rows.items()}
-    assert faults["MiniDDP before"] > 0.8 * pages, faults
-    assert faults["DDP()"] > 0.8 * pages, faults  # copied-back .grad: fresh on every step too
-    assert faults["MiniDDP"] < 0.3 * pages and faults["DDP(view)"] < 0.3 * pages, faults
+    fixed = max(faults["MiniDDP"], faults["DDP(view)"])
+    assert fixed < 0.3 * pages, faults  # each fresh gradient freed in its hook, memory reused
+    assert faults["MiniDDP before"] > max(3 * fixed, 0.4 * pages), faults
+    assert faults["DDP()"] > max(3 * fixed, 0.4 * pages), faults  # copied-back .grad: the same
     for row in rows.values():
         assert row["step"] > 0 and row["training thread CPU"] > 0
