@@ -106,6 +106,21 @@ def test_trainer_hanging_after_the_kill_is_a_failed_row(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_worker_that_appears_just_after_the_kill_line_is_still_found(tmp_path: Path) -> None:
+    # The worker starts 0.3 s after the line: one look at /proc would miss it (as it missed
+    # a worker caught inside execve under load); the harness keeps looking for a second.
+    late = _HANGS_ON_RESTART.replace('    print("started", flush=True)\n', "").replace(
+        "    worker = ", '    print("started", flush=True); time.sleep(0.3)\n    worker = '
+    )
+    code = late + _LEAVES_ORPHAN.split("time.sleep(0.5)")[1]
+    rows = run_chaos(_py(code), kill_on="^started$", compare="w.safetensors",
+                     scenarios=["kill-rank1"], timeout_s=5, work=tmp_path)  # fmt: skip
+    assert [(r.scenario, r.landed, r.equal) for r in rows] == [("kill-rank1", "started", False)]
+    assert rows[0].difference is not None
+    assert rows[0].difference.startswith("still running after the timeout"), rows[0].difference
+
+
+@pytest.mark.timeout(60)
 def test_cli_exit_status_and_message(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
     cmd = [sys.executable, "-m", "refimpl.chaos", "--kill-on", "nope", "--compare", "w.pt",
