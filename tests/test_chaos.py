@@ -95,14 +95,19 @@ def test_no_process_left_behind_by_a_job_killed_and_rerun(tmp_path: Path) -> Non
     assert tagged_pids(tag) == []  # the reference's, the killed run's and the rerun's orphans
 
 
-@pytest.mark.timeout(60)
-def test_trainer_hanging_after_the_kill_is_a_failed_row(tmp_path: Path) -> None:
-    code = _HANGS_ON_RESTART + _LEAVES_ORPHAN.split("time.sleep(0.5)")[1]
+def _assert_rank1_killed_and_the_restart_hung(launcher: str, work: Path) -> None:
+    """``launcher`` (a `_HANGS_ON_RESTART` variant) under ``kill-rank1``: a failed row."""
+    code = launcher + _LEAVES_ORPHAN.split("time.sleep(0.5)")[1]
     rows = run_chaos(_py(code), kill_on="^started$", compare="w.safetensors",
-                     scenarios=["kill-rank1"], timeout_s=5, work=tmp_path)  # fmt: skip
+                     scenarios=["kill-rank1"], timeout_s=5, work=work)  # fmt: skip
     assert [(r.scenario, r.landed, r.equal) for r in rows] == [("kill-rank1", "started", False)]
     assert rows[0].difference is not None
     assert rows[0].difference.startswith("still running after the timeout"), rows[0].difference
+
+
+@pytest.mark.timeout(60)
+def test_trainer_hanging_after_the_kill_is_a_failed_row(tmp_path: Path) -> None:
+    _assert_rank1_killed_and_the_restart_hung(_HANGS_ON_RESTART, tmp_path)
 
 
 @pytest.mark.timeout(60)
@@ -112,12 +117,7 @@ def test_a_worker_that_appears_just_after_the_kill_line_is_still_found(tmp_path:
     late = _HANGS_ON_RESTART.replace('    print("started", flush=True)\n', "").replace(
         "    worker = ", '    print("started", flush=True); time.sleep(0.3)\n    worker = '
     )
-    code = late + _LEAVES_ORPHAN.split("time.sleep(0.5)")[1]
-    rows = run_chaos(_py(code), kill_on="^started$", compare="w.safetensors",
-                     scenarios=["kill-rank1"], timeout_s=5, work=tmp_path)  # fmt: skip
-    assert [(r.scenario, r.landed, r.equal) for r in rows] == [("kill-rank1", "started", False)]
-    assert rows[0].difference is not None
-    assert rows[0].difference.startswith("still running after the timeout"), rows[0].difference
+    _assert_rank1_killed_and_the_restart_hung(late, tmp_path)
 
 
 @pytest.mark.timeout(60)

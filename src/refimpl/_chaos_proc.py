@@ -56,19 +56,26 @@ def descendants(root: int) -> list[int]:
     return out
 
 
-def workers(root: int) -> dict[int, int]:
+def workers(root: int, until: Callable[[dict[int, int]], bool] | None = None) -> dict[int, int]:
     """``{rank: pid}`` of the topmost descendants of ``root`` whose environment has ``RANK``.
 
     Topmost: a worker's own children (data loader workers) inherit ``RANK`` too, and come
     after their parent in `descendants`' order, so the first pid seen for a rank is the
-    worker itself.
+    worker itself. With ``until``, looks again for up to a second until ``until(found)``:
+    a process inside ``execve`` shows an empty ``/proc/PID/environ`` for a moment (the
+    kernel sets the new environment up after the old image is gone), so one look can miss a
+    worker that exists (CI saw "no process with RANK=1" once, under load).
     """
-    found: dict[int, int] = {}
-    for pid in descendants(root):
-        for item in _environ(pid):
-            if item.startswith(b"RANK=") and item[5:].isdigit():
-                found.setdefault(int(item[5:]), pid)
-    return found
+    deadline = time.monotonic() + (1.0 if until is not None else 0.0)
+    while True:
+        found: dict[int, int] = {}
+        for pid in descendants(root):
+            for item in _environ(pid):
+                if item.startswith(b"RANK=") and item[5:].isdigit():
+                    found.setdefault(int(item[5:]), pid)
+        if until is None or until(found) or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.05)
 
 
 def marked(token: str) -> list[int]:

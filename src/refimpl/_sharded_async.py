@@ -177,20 +177,12 @@ class AsyncSaver:
     training time per save, and made the checkpoint durable 2-3x later (chapter 9), which is
     why it is not the default. On a host whose trainer leaves cores idle, try 19.
 
-    The background write runs in a thread of this process (DCP's default,
-    ``AsyncCheckpointerType.THREAD``); there is no process mode. torch 2.13's
-    ``AsyncCheckpointerType.PROCESS`` writes from a spawned daemon with an interpreter (and
-    GIL) of its own, and ``python -m refimpl.bench save --sizes-mb`` measures it beside the
-    thread. On the book's 2-core machine (three runs at 256 MiB and 1 GiB) it blocked
-    training 0.9-2.5x as long as the thread, was durable 1.0-1.25x as late, and made no
-    consistent difference to the training steps it overlapped (faster in 4 of 6 pairs,
-    slower in 2: the daemon needs the same two cores, and with either writer a step took
-    0.4-3.3x a step alone from run to run). Nor does it fit this class's
-    promises: the daemon is one per process, bound to the ranks of the first group that
-    used it (a later saver on another group would write with the wrong peers); it joins a
-    gloo world of its own with torch's 30-minute default timeout, not this saver's, and
-    its caller waits for its answer with no timeout; and, being spawned, it re-imports the
-    training script, which then must guard its body with ``if __name__ == "__main__"``.
+    The background write runs in a thread of this process (DCP's default); there is no
+    process mode. torch 2.13's ``AsyncCheckpointerType.PROCESS`` gained nothing consistent
+    on the book's 2-core machine (``python -m refimpl.bench save --sizes-mb``, chapter 9),
+    and its daemon breaks this class's promises: one per process, bound to the ranks of the
+    first group that used it, a gloo world with torch's 30-minute timeout, a caller that
+    waits with no timeout, and a training script re-imported by the spawned daemon.
     """
 
     def __init__(

@@ -80,24 +80,9 @@ def _tail(lines: Sequence[str], n: int = 15) -> str:
     return "\n".join(f"    {ln}" for ln in lines[-n:]) or "    (no output)"
 
 
-def _workers_soon(root: int, wanted: Callable[[dict[int, int]], bool]) -> dict[int, int]:
-    """`workers` of ``root``, looked for again for up to a second until ``wanted`` holds.
-
-    A process caught inside ``execve`` shows an empty ``/proc/PID/environ`` for a moment
-    (the kernel sets the new environment up after the old image is gone), so one look can
-    miss a worker that exists: under load CI saw "no process with RANK=1" for a launcher
-    whose worker had been started before the line that triggered the kill."""
-    deadline = time.monotonic() + 1.0
-    found = workers(root)
-    while not wanted(found) and time.monotonic() < deadline:
-        time.sleep(0.05)
-        found = workers(root)
-    return found
-
-
 def _kill_rank(rank: int, sig: int) -> Action:
     def act(root: int, token: str) -> str | None:
-        pid = _workers_soon(root, lambda found: rank in found).get(rank)
+        pid = workers(root, until=lambda found: rank in found).get(rank)
         if pid is None:
             return (f"no process with RANK={rank} among the command's descendants: is it a "
                     "torchrun (or similar launcher) with at least two workers?")  # fmt: skip
@@ -113,7 +98,7 @@ def _kill_job(root: int, token: str) -> str | None:
 
 
 def _sigterm_workers(root: int, token: str) -> str | None:
-    found = _workers_soon(root, bool)
+    found = workers(root, until=bool)
     if not found:
         return "no process with RANK=... among the command's descendants: who is a worker?"
     signal_all(list(found.values()), signal.SIGTERM)
