@@ -12,13 +12,13 @@ STAMP := $(VENV)/.installed
 LAB_STAMP := $(VENV)/.lab-installed
 LAB_PORT ?= 8888
 NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=300
-# Test workers (pytest-xdist): a notebook's cells run in order in one kernel, and a test file
-# runs whole on one worker (--dist loadfile). Three workers on two cores: the files that mostly
-# wait (timeouts that must expire, demos of hangs) are one unit that a single worker runs while
-# the other two compute (tests/conftest.py); four made chapter 1's measured shapes and the
-# elastic runs' heartbeats fail under contention. Units are handed out longest first
-# (--no-loadscope-reorder keeps that order). TEST_WORKERS=0 runs everything in one process.
-TEST_WORKERS ?= 3
+# Test workers (pytest-xdist), one file per work unit: a notebook's cells run in order in one
+# kernel, and a test file runs whole on one worker. TEST_WORKERS=0 runs everything in order.
+# Two, one per core: with four, the suite saturates both cores and the chapters' measured
+# shapes (chapter 1's all-reduce against its memcpy floor) and the elastic runs' heartbeats
+# start to fail under the contention. Files are handed out longest first (tests/conftest.py;
+# --no-loadscope-reorder keeps that order), so no worker is left with a long file at the end.
+TEST_WORKERS ?= 2
 PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 export PYTHONHASHSEED := 0
 # Notebooks show figures through the inline backend; an inherited MPLBACKEND=Agg hides them.

@@ -1,18 +1,11 @@
-"""How `make test` hands files to its three pytest-xdist workers.
+"""The order in which `make test` hands files to its two pytest-xdist workers.
 
 ``make test`` runs each file (a notebook, a test module) as one unit on one worker
-(``--dist loadfile``; the files that mostly wait are one unit, see below), and units are
-handed out in collection order, so the longest go first: the short ones then fill in at the
-end on whichever worker frees up, and no core sits idle while a worker finishes a two-minute
-file (the longest-first rule for scheduling jobs on identical machines). Without this,
-pytest-xdist orders files by their number of tests, which puts files of a few long torchrun
-jobs last.
-
-Three workers on two cores, and the files that mostly *wait* (a timeout that must expire, a
-rank blocked by design, a demo of a hang; `_WAITING`) are one unit: one worker runs them one
-after another while the other two keep both cores busy with the files that compute (torchrun
-jobs start Python, torch and DDP again in every worker). A third worker that computed too
-would only make every job slower; one that waits fills the cores' idle time.
+(``--dist loadfile --no-loadscope-reorder``). Units are handed out in collection order, so the
+longest go first: the short ones then fill in at the end on whichever worker frees up, and
+neither core sits idle while the other finishes a two-minute file (the longest-first rule for
+scheduling jobs on identical machines). Without this, pytest-xdist orders files by their number
+of tests, which puts files of a few long torchrun jobs last.
 
 It also checks that a run leaves the repository as it found it: a chapter that writes a figure
 into ``book/`` or a test that leaves a file behind fails the run (a reader's run must never
@@ -27,7 +20,6 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -71,24 +63,6 @@ _SECONDS = {
     "tests/test_ddp.py": 6,
     "tests/test_metrics.py": 6,
 }
-# Files whose wall time is mostly waiting: their processes used under a fifth of a core while
-# they ran (CPU seconds of the test process and every child it reaped, over its wall time, in
-# one make test). Timing-sensitive files stay out (chapter 1 times an all-reduce against a
-# memcpy floor; chapter 3 and the benchmarks measure).
-_WAITING = {
-    "tests/test_launch.py",
-    "notebooks/04_barriers_rank0_saving.ipynb",
-    "tests/test_chaos.py",
-    "notebooks/02_ddp_from_the_inside.ipynb",
-    "tests/test_sync.py",
-    "tests/test_collectives.py",
-    "notebooks/07_multi_dataset_sync.ipynb",
-    "tests/test_faults.py",
-    "tests/test_hangs.py",
-    "tests/test_desync.py",
-    "tests/test_rpc.py",
-}
-_WAITING_GROUP = "waiting"
 
 
 def expected_seconds(nodeid: str) -> int:
@@ -96,37 +70,9 @@ def expected_seconds(nodeid: str) -> int:
     return _SECONDS.get(nodeid.split("::", 1)[0], _DEFAULT)
 
 
-def work_unit(nodeid: str) -> str:
-    """The unit a test is handed out in: its file, or the group of files that mostly wait."""
-    path = nodeid.split("::", 1)[0]
-    return _WAITING_GROUP if path in _WAITING else path
-
-
-def unit_seconds(nodeid: str) -> int:
-    """The time a test's unit is expected to take."""
-    if work_unit(nodeid) == _WAITING_GROUP:
-        return sum(_SECONDS.get(path, _DEFAULT) for path in _WAITING)
-    return expected_seconds(nodeid)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # A stable sort: the tests (cells) of one file keep their order, and a unit's files too.
-    items.sort(key=lambda item: -unit_seconds(item.nodeid))
-
-
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """pytest-xdist's per-file scheduling (``--dist loadfile``), with `work_unit` as the unit.
-    (``--dist loadgroup`` with ``xdist_group`` marks would say the same, but pytest-xdist 3.8
-    marks a group by rewriting ``item._nodeid``, which pytest 9 no longer reads.)"""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    class _Units(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return work_unit(nodeid)
-
-    return _Units(config, log)
+    # A stable sort: the tests (cells) of one file keep their order.
+    items.sort(key=lambda item: -expected_seconds(item.nodeid))
 
 
 def _git_status() -> set[str] | None:
