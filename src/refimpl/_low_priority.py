@@ -20,7 +20,7 @@ import sys
 import threading
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from refimpl._digested_writer import DigestedWriter
 
 __all__ = ["WRITER_NICE", "LowPriorityWriter", "lower_thread_priority"]
 
@@ -45,8 +45,9 @@ def lower_thread_priority(nice: int) -> bool:
     return True
 
 
-class LowPriorityWriter(FileSystemWriter):
-    """DCP's ``FileSystemWriter`` whose writing thread runs at nice ``nice`` (Linux).
+class LowPriorityWriter(DigestedWriter):
+    """refimpl's `DigestedWriter` (DCP's ``FileSystemWriter`` without ``torch.save``'s
+    per-record CRC-32) whose writing thread runs at nice ``nice`` (Linux).
 
     ``dcp.save`` calls ``set_up_storage_writer`` in the thread that then plans and writes:
     for ``dcp.async_save``, its background thread (or, with

@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from refimpl._digested_writer import DigestedWriter
 from refimpl._sharded_async import AsyncSaveHandle, AsyncSaver, default_saver
 from refimpl._sharded_commit import verify_step
 from refimpl._sharded_errors import ShardedCheckpointError, dcp_errors
@@ -122,7 +122,7 @@ def save_sharded(
         with quiet_no_dist(group):
             dcp_save(
                 {"model": msd, "optim": osd, **packed},
-                storage_writer=FileSystemWriter(tmp, sync_files=True, overwrite=False),
+                storage_writer=DigestedWriter(tmp, sync_files=True, overwrite=False),
                 **group.dcp_kwargs(),
             )
     return commit_step(group, tmp, final, step, keep_last)
