@@ -9,11 +9,12 @@ nothing refimpl does not check, and it costs about half of the writer's CPU time
 where the raw write + fsync of the same bytes took 0.16-0.23. For an async save those seconds
 are taken from training (chapter 9).
 
-torch 2.13 keeps the setting per thread (``torch.utils.serialization.config``: "User overrides
-are thread-local"), so the writer turns it off only in the thread that writes, only while it
-writes; every other ``torch.save`` in the process keeps its CRC. The files are ordinary DCP
-files: ``torch.load``, and so ``dcp.load``, reads them as before. With ``thread_count`` > 1,
-DCP's extra writing threads start without the override and compute the CRC as usual.
+torch 2.13 keeps the setting per thread (``torch.utils.serialization.config`` is built by
+``torch/utils/_config_module.py``, whose docstring says "User overrides are thread-local"),
+so the writer turns it off only in the thread that writes, only while it writes; every other
+``torch.save`` in the process keeps its CRC. The files are ordinary DCP files: ``torch.load``,
+and so ``dcp.load``, reads them as before. With ``thread_count`` > 1, DCP's extra writing
+threads start without the override and compute the CRC as usual.
 """
 
 from __future__ import annotations
