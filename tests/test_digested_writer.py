@@ -17,13 +17,22 @@ from refimpl._digested_writer import DigestedWriter
 from refimpl._low_priority import LowPriorityWriter
 
 
-def _save_seeing_crc(monkeypatch: pytest.MonkeyPatch, writer: Any) -> list[bool]:
-    """dcp.save a small state with ``writer``; the CRC setting each torch.save call saw."""
+def _save_seeing_crc(
+    monkeypatch: pytest.MonkeyPatch, writer: Any, elsewhere: list[bool] | None = None
+) -> list[bool]:
+    """dcp.save a small state with ``writer``; the CRC setting each torch.save call saw. With
+    ``elsewhere``, each call also asks a thread started right then what it sees."""
     seen: list[bool] = []
     real_save = torch.save
 
     def spy(*args: Any, **kwargs: Any) -> None:
         seen.append(torch.serialization.get_crc32_options())
+        if elsewhere is not None:
+            other = threading.Thread(
+                target=lambda: elsewhere.append(torch.serialization.get_crc32_options())
+            )
+            other.start()
+            other.join(10)
         real_save(*args, **kwargs)
 
     monkeypatch.setattr(torch, "save", spy)
@@ -56,30 +65,12 @@ def test_dcps_own_writer_keeps_the_crc(tmp_path: Path, monkeypatch: pytest.Monke
     assert seen and all(seen), seen
 
 
-def test_another_threads_torch_save_keeps_its_crc_during_the_write(tmp_path: Path) -> None:
-    """The override is per thread: a torch.save in another thread, while the writer writes
-    with the CRC off, still computes it."""
-    other: list[bool] = []
-    writing = threading.Event()
-    done = threading.Event()
-
-    class Probe(DigestedWriter):
-        def write_data(self, plan: Any, planner: Any) -> Any:
-            with torch.utils.serialization.config.patch({"save.compute_crc32": False}):  # type: ignore[attr-defined]
-                writing.set()
-                done.wait(10)
-            return super().write_data(plan, planner)
-
-    def elsewhere() -> None:
-        writing.wait(10)
-        other.append(torch.serialization.get_crc32_options())
-        done.set()
-
-    t = threading.Thread(target=elsewhere)
-    t.start()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save({"model": {"w": torch.ones(2)}}, storage_writer=Probe(tmp_path / "ck"),
-                 no_dist=True)  # fmt: skip
-    t.join(10)
-    assert other == [True]
+def test_another_threads_torch_save_keeps_its_crc_during_the_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The override is per thread: while the writer writes with the CRC off, another thread
+    (a training thread's torch.save, say) still computes it."""
+    elsewhere: list[bool] = []
+    seen = _save_seeing_crc(monkeypatch, DigestedWriter(tmp_path / "ck"), elsewhere)
+    assert seen and not any(seen), seen
+    assert elsewhere and all(elsewhere) and len(elsewhere) == len(seen), elsewhere
