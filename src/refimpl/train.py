@@ -41,18 +41,11 @@ scopes the group's keys to the attempt, so this trainer needs no setting; a trai
 from __future__ import annotations
 
 # ruff: noqa: E402 -- the collector is paused (below) before torch is imported
-import gc
+from refimpl import _startup_gc
 
-# A worker starting (`python -m refimpl.train`, at every restart) builds about 460,000
-# long-lived objects the cyclic collector tracks: 250,000 importing torch, the rest when DDP
-# wraps the model (torch 2.13's DistributedDataParallel.__init__ reads a dynamo setting,
-# distributed.py line 842, which imports torch._dynamo and sympy). The collector would walk
-# them again and again while they are built. Paused until the model is wrapped, a 12-step run
-# on one rank took 2.1 CPU-seconds instead of 3.2 here (chapter 10, "What a restart costs").
-# Not when imported as a library (tests, spawn): only as the program.
-_GC_PAUSED = __name__ == "__main__" and gc.isenabled()
-if _GC_PAUSED:
-    gc.disable()
+# Run as the program, start-up runs without the cyclic collector until the model is wrapped:
+# a 12-step run on one rank took 2.1 CPU-seconds instead of 3.2 here (`refimpl._startup_gc`).
+_startup_gc.pause(__name__)
 
 import argparse
 import os
@@ -172,7 +165,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device
     else:
         ddp = DDP(make_model(args.seed, args.dropout).to(device),
                   device_ids=[device] if device.type == "cuda" else None)  # fmt: skip
-    _resume_gc()
+    _startup_gc.resume()
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
     sched = make_scheduler(opt, args.lr_schedule, args.warmup_steps, args.steps)
     torch.manual_seed(args.seed + 1000 * (rank + 1))  # this rank's dropout stream
@@ -244,15 +237,6 @@ def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device
     return 0
 
 
-def _resume_gc() -> None:
-    """Start collecting again, once start-up's objects exist (see ``_GC_PAUSED``)."""
-    global _GC_PAUSED
-    if _GC_PAUSED:
-        gc.freeze()  # they live as long as the process: never walk them again
-        gc.enable()
-        _GC_PAUSED = False
-
-
 @record  # under torchrun: an exception's traceback goes into the failure summary
 def main(argv: Sequence[str] | None = None) -> int:
     """Train as ``argv`` says (see `parse_args`); return 0 when done or stopped by SIGTERM.
@@ -280,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log = _Log(info.rank, bar, times=args.log_times)
         code = _train(args, info.rank, info.world_size, info.device, log)
     finally:
-        _resume_gc()  # if _train stopped before wrapping the model
+        _startup_gc.resume()  # if _train stopped before wrapping the model
         if bar is not None:
             bar.close()
     if owns_group:  # only after a clean finish: tearing down a broken NCCL group can hang

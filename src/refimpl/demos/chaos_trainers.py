@@ -19,6 +19,11 @@ Rank 0 prints ``step N loss X`` after each step, ``saving step N`` as a checkpoi
 
 from __future__ import annotations
 
+# ruff: noqa: E402 -- the collector is paused (below) before torch is imported
+from refimpl import _startup_gc
+
+_startup_gc.pause(__name__)  # each (re)start: 2.1 CPU-seconds instead of 2.6 (the module says why)
+
 import argparse
 import os
 import sys
@@ -75,6 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.5),
                               torch.nn.Linear(16, 1))  # fmt: skip
     model = DDP(net)
+    _startup_gc.resume()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(args.seed + 1)
     x = torch.randn(40, 8, generator=g)  # 40 samples, 8 per global batch: 5 steps an epoch
