@@ -35,7 +35,8 @@ def test_overhead_benchmark_rows_ratios_and_plot(tmp_path: Path) -> None:
         if not r["method"].startswith("dcp_async"):  # synchronous: blocked for all of it
             assert r["blocking_s_median"] == r["total_s_median"]
     assert set(data["ratios"]) == {"2", "4"} and set(data["train_step"]) == {"2", "4"}
-    for kind in ("save", "low_save", "process_save"):
+    kinds = ("save", "low_save", "piece_save", "paced_save", "process_save")
+    for kind in kinds:
         assert data["train_step"]["2"][f"steps_during_{kind}"] >= 1, kind
     for size, ratios in data["ratios"].items():  # thread vs process, side by side, per size
         for name in (
@@ -46,21 +47,21 @@ def test_overhead_benchmark_rows_ratios_and_plot(tmp_path: Path) -> None:
             "dcp_async_staged_low total / dcp_async_staged total",
             "train step during thread save / alone",
             "train step during low-priority thread save / alone",
+            "train step during piecewise thread save / alone",
+            "train step during paced thread save / alone",
             "train step during process save / alone",
         ):
             assert math.isfinite(ratios[name]) and ratios[name] > 0, (size, name)
         steps = data["train_step"][size]
-        for kind in ("alone", "during_save", "during_low_save", "during_process_save"):
+        for kind in ("alone", *(f"during_{k}" for k in kinds)):
             lo, mid, hi = (steps[f"step_s_{s}_{kind}"] for s in ("min", "median", "max"))
             assert 0 < lo <= mid <= hi, (size, kind)
-        for kind in ("save", "low_save"):  # the writing thread's CPU time, measured in it
+        for kind in kinds[:-1]:  # the writing thread's CPU time, measured in it
             assert 0 < steps[f"writer_cpu_s_median_{kind}"] < steps[f"save_s_median_{kind}"]
         assert "writer_cpu_s_median_process_save" not in steps  # not measurable from here
         if sys.platform == "linux":  # a spinning thread's wait for the GIL, from schedstat
             gil = data["gil_wait"][size]
-            assert set(gil) == {
-                f"gil_wait_fraction_{k}" for k in ("save", "low_save", "process_save")
-            }
+            assert set(gil) == {f"gil_wait_fraction_{k}" for k in kinds}
             assert all(0 <= v < 1 for v in gil.values()), gil
     # the benchmark's one-rank group and DCP's checkpoint daemon are gone afterwards
     assert not dist.is_initialized()

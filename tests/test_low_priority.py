@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict_saver import async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from refimpl._low_priority import LowPriorityWriter, lower_thread_priority
+from refimpl._paced_writer import PacedWriter
 from refimpl.sharded import AsyncSaver, load_sharded
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice is Linux's")
@@ -33,6 +34,17 @@ class _Observed(LowPriorityWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         _Observed.seen.append(_nice())
+
+
+class _ObservedPaced(PacedWriter):
+    """AsyncSaver's writer: records its thread's nice value and its CPU share."""
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        _Observed.seen.append(_nice())
+        _ObservedPaced.shares.append(self.cpu_share)
+
+    shares: ClassVar[list[float | None]] = []
 
 
 @linux_only
@@ -81,9 +93,15 @@ def test_writer_nice_out_of_range_is_refused_before_anything_starts() -> None:
             AsyncSaver(writer_nice=bad)
 
 
+def test_writer_cpu_share_out_of_range_is_refused_before_anything_starts() -> None:
+    for bad in (0, 2.0, -0.5):
+        with pytest.raises(ValueError, match="cpu_share must be a number in"):
+            AsyncSaver(writer_cpu_share=bad)  # before asking for a process group
+
+
 @linux_only
 def test_async_saver_writes_and_commits_from_low_priority_threads(tmp_path: Path) -> None:
-    _Observed.seen = []
+    _Observed.seen, _ObservedPaced.shares = [], []
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/s", rank=0, world_size=1)
     try:
         torch.manual_seed(0)
@@ -92,19 +110,20 @@ def test_async_saver_writes_and_commits_from_low_priority_threads(tmp_path: Path
         before = _nice()
         default = AsyncSaver()  # the measured choice: the trainer's priority (chapter 9)
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr("refimpl._sharded_async.LowPriorityWriter", _Observed)
+            mp.setattr("refimpl._sharded_async.PacedWriter", _ObservedPaced)
             default.save(tmp_path / "default", model, opt, 1).result(timeout=60)
         default_commit_nice = default._pool.submit(_nice).result()
         default.close()
         assert _Observed.seen == [before] and default_commit_nice == before, _Observed.seen
         _Observed.seen = []
-        saver = AsyncSaver(writer_nice=13)
+        saver = AsyncSaver(writer_nice=13, writer_cpu_share=0.5)
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr("refimpl._sharded_async.LowPriorityWriter", _Observed)
+            mp.setattr("refimpl._sharded_async.PacedWriter", _ObservedPaced)
             path = saver.save(tmp_path / "ckpt", model, opt, 1).result(timeout=60)
         commit_nice = saver._pool.submit(_nice).result()
         saver.close()
         assert _Observed.seen == [13] and commit_nice == 13 and _nice() == before
+        assert _ObservedPaced.shares == [None, 0.5]  # unpaced by default
         fresh = torch.nn.Linear(4, 4)
         assert load_sharded(path, fresh) == 1
         assert torch.equal(fresh.weight, model.weight)

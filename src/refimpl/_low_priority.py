@@ -64,9 +64,12 @@ class LowPriorityWriter(DigestedWriter):
         self.nice = nice
         self._creator = (os.getpid(), threading.get_native_id())
 
+    def _in_creator_thread(self) -> bool:
+        return (os.getpid(), threading.get_native_id()) == self._creator
+
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Lower this thread's priority (unless it created the writer), then set up as
         ``FileSystemWriter`` does."""
-        if (os.getpid(), threading.get_native_id()) != self._creator:
+        if not self._in_creator_thread():
             lower_thread_priority(self.nice)
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)

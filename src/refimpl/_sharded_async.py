@@ -32,7 +32,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import async_save
 from torch.distributed.tensor import DTensor
 
-from refimpl._low_priority import LowPriorityWriter, lower_thread_priority
+from refimpl._low_priority import lower_thread_priority
+from refimpl._paced_writer import PacedWriter
 from refimpl._sharded_errors import dcp_errors
 from refimpl._sharded_group import Group, commit_step, discard, prepare_step
 from refimpl._sharded_state import pack_checked
@@ -177,6 +178,13 @@ class AsyncSaver:
     training time per save, and made the checkpoint durable 2-3x later (chapter 9), which is
     why it is not the default. On a host whose trainer leaves cores idle, try 19.
 
+    ``writer_cpu_share`` (None by default: unpaced; 0 < share <= 1) paces the background write
+    to at most that share of one core (``refimpl._paced_writer``): the same CPU seconds spread
+    over a longer write, so the steps it overlaps each lose at most about that share of a core,
+    and the checkpoint commits about ``1 / share`` times later. For training that keeps every
+    core busy and feels each slow step (synchronous data parallelism waits for the slowest
+    rank), where the save interval leaves room for the longer write.
+
     The background write runs in a thread of this process (DCP's default); there is no
     process mode. torch 2.13's ``AsyncCheckpointerType.PROCESS`` gained nothing consistent
     on the book's 2-core machine (``python -m refimpl.bench save --sizes-mb``, chapter 9),
@@ -192,9 +200,11 @@ class AsyncSaver:
         timeout_s: float | None = None,
         pinned_memory: bool | None = None,
         writer_nice: int = 0,
+        writer_cpu_share: float | None = None,
     ) -> None:
         if not 0 <= writer_nice <= 19:
             raise ValueError(f"writer_nice must be an int from 0 to 19, got {writer_nice!r}")
+        PacedWriter(".", cpu_share=writer_cpu_share)  # refuses a bad share before any group
         if pinned_memory and not torch.cuda.is_available():
             raise ValueError(
                 "pinned_memory=True needs CUDA (page-locking is a CUDA driver call); pass "
@@ -211,6 +221,7 @@ class AsyncSaver:
         pinned = torch.cuda.is_available() if pinned_memory is None else pinned_memory
         self._stager = _ReusingStager(pinned)
         self.writer_nice = writer_nice
+        self.writer_cpu_share = writer_cpu_share
         self._pool = ThreadPoolExecutor(
             1,
             thread_name_prefix="refimpl-async-save",
@@ -265,8 +276,12 @@ class AsyncSaver:
             msd, osd = get_state_dict(model, optimizer)
             upload = async_save(
                 {"model": msd, "optim": osd, **packed},
-                storage_writer=LowPriorityWriter(
-                    tmp, nice=self.writer_nice, sync_files=True, overwrite=False
+                storage_writer=PacedWriter(
+                    tmp,
+                    nice=self.writer_nice,
+                    cpu_share=self.writer_cpu_share,
+                    sync_files=True,
+                    overwrite=False,
                 ),
                 process_group=self._pg,
                 async_stager=self._stager,

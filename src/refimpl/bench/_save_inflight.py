@@ -1,9 +1,11 @@
 """What a save in flight costs the training it overlaps (the saving-overhead benchmark).
 
 A small MLP trains on the benchmark's process while a staged ``dcp.async_save`` of the state
-is written in the background by one of three writers (`WRITERS`): DCP's thread checkpointer
-as it comes, the same thread at a lower CPU priority
-(``refimpl._low_priority.LowPriorityWriter``, what `AsyncSaver` uses), and DCP's process
+is written in the background by one of five writers (`WRITERS`): DCP's thread checkpointer
+as it comes (one write call per tensor record), the same thread at a lower CPU priority
+(``refimpl._low_priority.LowPriorityWriter``), the thread writing in 1 MiB pieces
+(``refimpl._paced_writer.PacedWriter``, what `AsyncSaver` uses), the same paced to
+`PACED_SHARE` of a core (``AsyncSaver(writer_cpu_share=...)``), and DCP's process
 checkpointer (a daemon with an interpreter and a GIL of its own). Steps alone and steps
 during each kind of save are measured interleaved, the order rotating every round, so load
 from elsewhere on a shared machine hits every kind alike.
@@ -31,26 +33,36 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 from torch.distributed.checkpoint.storage import WriteResult
 
 from refimpl._low_priority import LowPriorityWriter
+from refimpl._paced_writer import PacedWriter
 from refimpl.bench import summarize
 
-__all__ = ["LOW_NICE", "WRITERS", "gil_wait", "step_times"]
+__all__ = ["LOW_NICE", "PACED_SHARE", "WRITERS", "gil_wait", "step_times"]
 
 LOW_NICE = 19  # the low-priority row: AsyncSaver(writer_nice=19)
-WRITERS = {  # kind: (DCP's process checkpointer?, nice of the writing thread)
-    "save": (False, 0),
-    "low_save": (False, LOW_NICE),
-    "process_save": (True, 0),
+PACED_SHARE = 0.05  # the paced row: AsyncSaver(writer_cpu_share=0.05)
+WRITERS = {  # kind: (DCP's process checkpointer?, nice, 1 MiB pieces?, CPU share)
+    "save": (False, 0, False, None),  # DCP's thread writer: a record per write call
+    "low_save": (False, LOW_NICE, False, None),
+    "piece_save": (False, 0, True, None),  # AsyncSaver's default
+    "paced_save": (False, 0, True, PACED_SHARE),
+    "process_save": (True, 0, False, None),
 }
 
 
-class _MeteredWriter(LowPriorityWriter):
+class _MeteredWriter(PacedWriter):
     """Appends the CPU seconds of the thread that planned and wrote to ``sink`` (thread
     writers only: a writer sent to DCP's daemon is a copy, its numbers stay there)."""
 
-    def __init__(self, path: Path, nice: int, sink: list[float] | None) -> None:
-        super().__init__(path, nice=nice)
+    def __init__(self, path: Path, kind: str, sink: list[float] | None) -> None:
+        _, nice, self._pieces, share = WRITERS[kind]
+        super().__init__(path, nice=nice, cpu_share=share)
         self._sink = sink
         self._cpu0 = 0.0
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        if self._pieces:
+            return super().write_data(plan, planner)
+        return LowPriorityWriter.write_data(self, plan, planner)  # a record per write call
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._cpu0 = time.thread_time()
@@ -73,10 +85,10 @@ def start_save(
     cpu_sink: list[float] | None = None,
 ) -> Any:
     """Start a staged ``dcp.async_save`` of ``state`` with writer ``kind``; return its future."""
-    process, nice = WRITERS[kind]
+    process = WRITERS[kind][0]
     return dcp_async_save(
         {"model": state},
-        storage_writer=_MeteredWriter(path, nice, None if process else cpu_sink),
+        storage_writer=_MeteredWriter(path, kind, None if process else cpu_sink),
         no_dist=True,
         async_stager=stager,
         async_checkpointer_type=(

@@ -16,7 +16,7 @@ import torch
 
 from refimpl.bench import write_json
 from refimpl.bench._save_figure import overhead_figure
-from refimpl.bench._save_inflight import LOW_NICE, gil_wait, step_times
+from refimpl.bench._save_inflight import LOW_NICE, PACED_SHARE, gil_wait, step_times
 from refimpl.bench._save_overhead import METHODS, make_stager, measure_size, one_rank_group
 
 __all__ = ["ratios_for", "run_overhead", "step_ratios"]
@@ -53,7 +53,13 @@ def ratios_for(rows: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-WRITER_NAMES = {"save": "thread", "low_save": "low-priority thread", "process_save": "process"}
+WRITER_NAMES = {
+    "save": "thread",
+    "low_save": "low-priority thread",
+    "piece_save": "piecewise thread",
+    "paced_save": "paced thread",
+    "process_save": "process",
+}
 
 
 def step_ratios(steps: dict[str, float]) -> dict[str, float]:
@@ -67,7 +73,7 @@ def step_ratios(steps: dict[str, float]) -> dict[str, float]:
 
 GOALS = {  # ratio name: (comparison, bound)
     "dcp_async_staged blocking / floor_memcpy": ("<=", 1.25),
-    "train step during low-priority thread save / alone": ("<=", 1.10),
+    "train step during paced thread save / alone": ("<=", 1.10),
     "dcp_sync throughput / floor_write_fsync throughput": (">=", 0.8),
     "atomic_save / torch_save_fsync": ("<=", 1.10),
 }
@@ -101,7 +107,7 @@ def run_overhead(
                 state = _state(mb)
                 rows += measure_size(state, scratch, repeats, bar)
                 thread, shared = make_stager(), make_stager(shared=True)
-                stagers = {"save": thread, "low_save": thread, "process_save": shared}
+                stagers = {kind: thread for kind in WRITER_NAMES} | {"process_save": shared}
                 try:
                     steps[str(mb)] = step_times(state, scratch, stagers)
                     gil[str(mb)] = gil_wait(state, scratch, stagers)
@@ -132,6 +138,7 @@ def run_overhead(
             "load_average_1min": [load_at_start, os.getloadavg()[0]],  # at start, at end
         },
         "low_priority_nice": LOW_NICE,
+        "paced_cpu_share": PACED_SHARE,
         "rows": rows,
         "ratios": ratios,
         "goals": {name: f"{op} {bound}" for name, (op, bound) in GOALS.items()},
