@@ -1,24 +1,24 @@
-"""Chapter 9: a background checkpoint write in small pieces, paced to a share of one core.
+"""Chapter 9: a background checkpoint write paced to a share of one core.
 
 An async save's writing thread needs CPU time: serialising, and copying every byte into the
 page cache (the kernel's copy counts as the thread's time). On a machine whose training keeps
-every core busy, that time is taken from training, and a step that overlaps the write's busiest
-moments is slowed the most (a parallel step waits for its slowest thread).
+every core busy, that time is taken from training, and the steps that overlap the write's
+busiest moments are slowed the most (a parallel step waits for its slowest thread): DCP's
+``FileSystemWriter`` hands the kernel a whole tensor record per write call (32 MiB for a 256
+MiB state of eight tensors), and beside such calls a 7-8 ms training step took up to 50 ms
+(256 MiB) and 130 ms (1 GiB) here.
 
-`PacedWriter` changes two things in a background write. It hands the kernel at most
-`PIECE_BYTES` at a time: DCP's ``FileSystemWriter`` writes each tensor's record in one call
-(32 MiB for a 256 MiB state of eight tensors), and beside a training step on both cores of the
-book's machine, the same bytes in 1 MiB pieces took the writing thread 0.07 CPU-seconds
-instead of 0.23, and the save finished in 0.21 s instead of 0.43 (one run; in three more, the
-whole-record writer took 0.42-0.62 s against 0.09-0.11 for the paced ones). Written alone, the
-piece size made no difference (0.06 CPU-s for 256 MiB either way), so the cost is one of
-contention: our guess, not isolated, is that a 32 MiB copy evicts the training threads' data
-from the 32 MiB L3 cache they share. And with ``cpu_share``, after each piece it sleeps until
-the thread's CPU time is at most ``cpu_share`` of the wall time since the write began, so no
-step loses more than about that share of a core; the checkpoint commits later, by about
-``1 / cpu_share`` times the writer's CPU time (``python -m refimpl.bench save``, chapter 9).
+With ``cpu_share`` set, `PacedWriter` hands the kernel at most `PIECE_BYTES` per call and,
+after each piece, sleeps until the writing thread's CPU time is at most ``cpu_share`` of the
+wall time since the write began: the same CPU seconds, spread thin, so that a step overlaps at
+most one piece's copy before the writer yields. At 5% of a core, the median step during a
+256 MiB save was 0.94-1.06x a step alone in three runs (1 GiB, two runs: 0.87-1.06x), where
+the unpaced thread gave 1.8-1.9x (1 GiB: 1.4-1.8x), and the slowest step took 28 ms; the
+checkpoint committed in 2 s instead of 0.2-1.0 s (1 GiB: 7-15 s instead of 0.7-3.6): about
+the writer's CPU seconds divided by the share (``python -m refimpl.bench save``, chapter 9).
+Pieces without the sleeps (``cpu_share=1``) did not help: 1.4-1.7x.
 
-Only a background write is changed: a thread that created the writer (a synchronous
+Only a background write is paced: a thread that created the writer (a synchronous
 ``dcp.save``) writes as ``FileSystemWriter`` does, as with
 `refimpl._low_priority.LowPriorityWriter`, whose nice value this writer also applies. The files
 are ``FileSystemWriter``'s: plain ``dcp.load`` reads them.
@@ -97,8 +97,8 @@ class _PacedFileSystem(FileSystem):
 
 class PacedWriter(LowPriorityWriter):
     """refimpl's DCP writer (no per-record CRC-32, a nice value for its thread) whose background
-    writes go to the kernel in `PIECE_BYTES` pieces and use at most ``cpu_share``
-    (0 < share <= 1) of one core; ``None`` or 1: pieces, unpaced. ``nice`` is
+    writes use at most ``cpu_share`` (0 < share <= 1) of one core, in `PIECE_BYTES` pieces;
+    1: pieces, unpaced; ``None`` (the default): `LowPriorityWriter`'s writes. ``nice`` is
     `LowPriorityWriter`'s, here 0 (the caller's priority) by default."""
 
     def __init__(
@@ -117,9 +117,9 @@ class PacedWriter(LowPriorityWriter):
         self.cpu_share = cpu_share
 
     def write_data(self, plan: Any, planner: Any) -> Any:
-        """Write as `DigestedWriter` does; in a background thread, in `PIECE_BYTES` pieces,
-        paced to ``cpu_share`` when one is set."""
-        if self._in_creator_thread():
+        """Write as `DigestedWriter` does; in a background thread with ``cpu_share`` set, in
+        `PIECE_BYTES` pieces, paced to that share."""
+        if self.cpu_share is None or self._in_creator_thread():
             return super().write_data(plan, planner)
         pacer = _Pacer(None if self.cpu_share == 1 else self.cpu_share)
         pacer.start()

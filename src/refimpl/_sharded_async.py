@@ -179,11 +179,13 @@ class AsyncSaver:
     why it is not the default. On a host whose trainer leaves cores idle, try 19.
 
     ``writer_cpu_share`` (None by default: unpaced; 0 < share <= 1) paces the background write
-    to at most that share of one core (``refimpl._paced_writer``): the same CPU seconds spread
-    over a longer write, so the steps it overlaps each lose at most about that share of a core,
-    and the checkpoint commits about ``1 / share`` times later. For training that keeps every
-    core busy and feels each slow step (synchronous data parallelism waits for the slowest
-    rank), where the save interval leaves room for the longer write.
+    to at most that share of one core, in 1 MiB pieces (``refimpl._paced_writer``): the same
+    CPU seconds spread over a longer write, so that no step it overlaps loses much. At 0.05 on
+    the book's 2-core machine, the median step during a 256 MiB save was 0.94-1.06x a step
+    alone (unpaced: 1.8-1.9x) and the checkpoint committed in 2 s instead of 0.2-1.0 s (chapter
+    9). For training that keeps every core busy and feels each slow step (synchronous data
+    parallelism waits for the slowest rank), where the save interval leaves room for the
+    longer write.
 
     The background write runs in a thread of this process (DCP's default); there is no
     process mode. torch 2.13's ``AsyncCheckpointerType.PROCESS`` gained nothing consistent

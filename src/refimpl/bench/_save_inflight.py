@@ -2,10 +2,10 @@
 
 A small MLP trains on the benchmark's process while a staged ``dcp.async_save`` of the state
 is written in the background by one of five writers (`WRITERS`): DCP's thread checkpointer
-as it comes (one write call per tensor record), the same thread at a lower CPU priority
-(``refimpl._low_priority.LowPriorityWriter``), the thread writing in 1 MiB pieces
-(``refimpl._paced_writer.PacedWriter``, what `AsyncSaver` uses), the same paced to
-`PACED_SHARE` of a core (``AsyncSaver(writer_cpu_share=...)``), and DCP's process
+as it comes (a write call per tensor record; `AsyncSaver`'s default), the same thread at a
+lower CPU priority (``refimpl._low_priority.LowPriorityWriter``), the thread writing in 1 MiB
+pieces without pacing (``refimpl._paced_writer.PacedWriter`` with ``cpu_share=1``), the same
+paced to `PACED_SHARE` of a core (``AsyncSaver(writer_cpu_share=...)``), and DCP's process
 checkpointer (a daemon with an interpreter and a GIL of its own). Steps alone and steps
 during each kind of save are measured interleaved, the order rotating every round, so load
 from elsewhere on a shared machine hits every kind alike.
@@ -32,7 +32,6 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.storage import WriteResult
 
-from refimpl._low_priority import LowPriorityWriter
 from refimpl._paced_writer import PacedWriter
 from refimpl.bench import summarize
 
@@ -40,12 +39,12 @@ __all__ = ["LOW_NICE", "PACED_SHARE", "WRITERS", "gil_wait", "step_times"]
 
 LOW_NICE = 19  # the low-priority row: AsyncSaver(writer_nice=19)
 PACED_SHARE = 0.05  # the paced row: AsyncSaver(writer_cpu_share=0.05)
-WRITERS = {  # kind: (DCP's process checkpointer?, nice, 1 MiB pieces?, CPU share)
-    "save": (False, 0, False, None),  # DCP's thread writer: a record per write call
-    "low_save": (False, LOW_NICE, False, None),
-    "piece_save": (False, 0, True, None),  # AsyncSaver's default
-    "paced_save": (False, 0, True, PACED_SHARE),
-    "process_save": (True, 0, False, None),
+WRITERS = {  # kind: (DCP's process checkpointer?, nice, CPU share: None unpaced, 1 pieces)
+    "save": (False, 0, None),  # AsyncSaver's default: a tensor record per write call
+    "low_save": (False, LOW_NICE, None),
+    "piece_save": (False, 0, 1.0),  # 1 MiB pieces, no sleeps
+    "paced_save": (False, 0, PACED_SHARE),
+    "process_save": (True, 0, None),
 }
 
 
@@ -54,15 +53,10 @@ class _MeteredWriter(PacedWriter):
     writers only: a writer sent to DCP's daemon is a copy, its numbers stay there)."""
 
     def __init__(self, path: Path, kind: str, sink: list[float] | None) -> None:
-        _, nice, self._pieces, share = WRITERS[kind]
+        _, nice, share = WRITERS[kind]
         super().__init__(path, nice=nice, cpu_share=share)
         self._sink = sink
         self._cpu0 = 0.0
-
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        if self._pieces:
-            return super().write_data(plan, planner)
-        return LowPriorityWriter.write_data(self, plan, planner)  # a record per write call
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._cpu0 = time.thread_time()
