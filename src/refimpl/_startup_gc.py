@@ -8,7 +8,7 @@ builds about 460,000 long-lived objects that Python's cyclic collector tracks wh
 while they are built, and every restart pays for it again. Paused until the model is wrapped,
 then frozen (``gc.freeze``: never walked again, they live as long as the process), a 12-step
 `refimpl.train` run on one rank took 2.1 CPU-seconds instead of 3.2 here, and a chaos toy
-trainer 2.1 instead of 2.6 (chapter 10, "What a restart costs").
+trainer 1.8 instead of 2.6 (chapter 10, "What a restart costs").
 
 Only for a program's own start: `pause` does nothing unless its caller is ``__main__``, so a
 module imported as a library (by tests, by `refimpl.launch.spawn`) leaves the collector alone.
