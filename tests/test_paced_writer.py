@@ -76,12 +76,13 @@ def _async_save(state: dict[str, torch.Tensor], writer: PacedWriter) -> None:
         future.result(timeout=60)
 
 
-def _load(path: Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {"model": {k: torch.zeros_like(v) for k, v in like.items()}}
+def _assert_reads_back(path: Path, state: dict[str, torch.Tensor]) -> None:
+    """Plain ``dcp.load`` reads ``state`` back from ``path``, bit for bit."""
+    out = {"model": {k: torch.zeros_like(v) for k, v in state.items()}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(out, checkpoint_id=path, no_dist=True)
-    return out["model"]
+    assert all(torch.equal(out["model"][k], state[k]) for k in state)
 
 
 @pytest.mark.timeout(60)
@@ -98,8 +99,7 @@ def test_a_background_write_goes_in_paced_pieces_and_plain_dcp_reads_it(
     kinds = [kind for kind, _ in rec.events if kind != "write"]
     assert kinds == ["piece", "wait"] * len(pieces), kinds
     assert {t for kind, t in rec.events if kind == "wait"} != {threading.get_ident()}
-    loaded = _load(tmp_path / "ck", state)
-    assert all(torch.equal(loaded[k], state[k]) for k in state)
+    _assert_reads_back(tmp_path / "ck", state)
 
 
 @pytest.mark.timeout(60)
@@ -118,8 +118,7 @@ def test_unpaced_background_writes_never_sleep_and_only_share_1_cuts_pieces(
         assert rec.events == []
     else:
         assert pieces and max(pieces) == PIECE_BYTES, pieces
-    loaded = _load(tmp_path / "bg", state)
-    assert all(torch.equal(loaded[k], state[k]) for k in state)
+    _assert_reads_back(tmp_path / "bg", state)
 
 
 @pytest.mark.timeout(60)
@@ -133,8 +132,7 @@ def test_a_synchronous_save_writes_as_dcp_does(
         dcp.save({"model": state}, storage_writer=PacedWriter(tmp_path / "fg", cpu_share=0.01),
                  no_dist=True)  # fmt: skip
     assert rec.events == []  # no paced stream was ever made: the caller's own thread
-    loaded = _load(tmp_path / "fg", state)
-    assert all(torch.equal(loaded[k], state[k]) for k in state)
+    _assert_reads_back(tmp_path / "fg", state)
 
 
 def test_the_pacer_sleeps_until_cpu_time_is_within_its_share(

@@ -37,12 +37,18 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from refimpl._low_priority import LowPriorityWriter
 
-__all__ = ["PIECE_BYTES", "PacedWriter"]
+__all__ = ["PIECE_BYTES", "PacedWriter", "check_cpu_share"]
 
 PIECE_BYTES = 1 << 20
 """The most a paced write hands the kernel at once: a sleep can follow every piece, so a
 step overlapping the write meets at most one piece's copy (about a third of a millisecond
 here) before the writer yields."""
+
+
+def check_cpu_share(share: float | None) -> None:
+    """Refuse a ``cpu_share`` that is neither None nor a number in (0, 1]."""
+    if share is not None and not (isinstance(share, int | float) and 0 < share <= 1):
+        raise ValueError(f"cpu_share must be a number in (0, 1] or None, got {share!r}")
 
 
 class _Pacer:
@@ -87,6 +93,7 @@ class _PacedStream:
 
 class _PacedFileSystem(FileSystem):
     def __init__(self, pacer: _Pacer) -> None:
+        super().__init__()
         self._pacer = pacer
 
     @contextmanager
@@ -109,10 +116,7 @@ class PacedWriter(LowPriorityWriter):
         nice: int = 0,
         **kwargs: Any,
     ) -> None:
-        if cpu_share is not None and not (
-            isinstance(cpu_share, int | float) and 0 < cpu_share <= 1
-        ):
-            raise ValueError(f"cpu_share must be a number in (0, 1] or None, got {cpu_share!r}")
+        check_cpu_share(cpu_share)
         super().__init__(path, nice=nice, **kwargs)
         self.cpu_share = cpu_share
 

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict_saver import async_save
 from torch.distributed.tensor import DTensor
 
 from refimpl._low_priority import lower_thread_priority
-from refimpl._paced_writer import PacedWriter
+from refimpl._paced_writer import PacedWriter, check_cpu_share
 from refimpl._sharded_errors import dcp_errors
 from refimpl._sharded_group import Group, commit_step, discard, prepare_step
 from refimpl._sharded_state import pack_checked
@@ -179,13 +179,8 @@ class AsyncSaver:
     why it is not the default. On a host whose trainer leaves cores idle, try 19.
 
     ``writer_cpu_share`` (None by default: unpaced; 0 < share <= 1) paces the background write
-    to at most that share of one core, in 1 MiB pieces (``refimpl._paced_writer``): the same
-    CPU seconds spread over a longer write, so that no step it overlaps loses much. At 0.05 on
-    the book's 2-core machine, the median step during a 256 MiB save was 0.94-1.06x a step
-    alone (unpaced: 1.8-1.9x) and the checkpoint committed in 2 s instead of 0.2-1.0 s (chapter
-    9). For training that keeps every core busy and feels each slow step (synchronous data
-    parallelism waits for the slowest rank), where the save interval leaves room for the
-    longer write.
+    to at most that share of one core (``refimpl._paced_writer``, which gives the measurements):
+    steps barely slowed, the checkpoint committed about ``1 / share`` times its CPU time later.
 
     The background write runs in a thread of this process (DCP's default); there is no
     process mode. torch 2.13's ``AsyncCheckpointerType.PROCESS`` gained nothing consistent
@@ -206,7 +201,7 @@ class AsyncSaver:
     ) -> None:
         if not 0 <= writer_nice <= 19:
             raise ValueError(f"writer_nice must be an int from 0 to 19, got {writer_nice!r}")
-        PacedWriter(".", cpu_share=writer_cpu_share)  # refuses a bad share before any group
+        check_cpu_share(writer_cpu_share)
         if pinned_memory and not torch.cuda.is_available():
             raise ValueError(
                 "pinned_memory=True needs CUDA (page-locking is a CUDA driver call); pass "
