@@ -193,17 +193,10 @@ def carried_against_plain(ops: list[str], dtypes: list[str]) -> list[tuple[str, 
     return out
 
 
-def collectives_per_guarded_call() -> dict[str, int]:
-    """Three guarded all-reduces of a metric (16 B), one of 1 MiB: the collectives each group
-    ran, from this rank's flight recorder."""
+def _collectives_so_far() -> dict[str, int]:
+    """The collectives this rank's flight recorder holds, by group (WORLD or other) and op."""
     import pickle
 
-    guard = CollectiveGuard(timeout_s=5.0)
-    for i in range(3):
-        guard.all_reduce(torch.ones(2, dtype=torch.float64), name=f"metric/{i}")
-    big = torch.ones(2**17, dtype=torch.float64)
-    guard.all_reduce(big, name="big")
-    assert big[0].item() == dist.get_world_size()
     raw = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
     counts: dict[str, int] = {}
     world_name = dist.group.WORLD.group_name
@@ -212,6 +205,21 @@ def collectives_per_guarded_call() -> dict[str, int]:
         key = f"{group} {entry['profiling_name']}"
         counts[key] = counts.get(key, 0) + 1
     return counts
+
+
+def collectives_per_guarded_call(host_exchange: bool) -> dict[str, dict[str, int]]:
+    """Three guarded all-reduces of a metric (16 B), one of 1 MiB: the collectives each group
+    ran while the guard was built, and during the calls."""
+    guard = CollectiveGuard(timeout_s=5.0, host_exchange=host_exchange)
+    built = _collectives_so_far()
+    for i in range(3):
+        guard.all_reduce(torch.ones(2, dtype=torch.float64), name=f"metric/{i}")
+    big = torch.ones(2**17, dtype=torch.float64)
+    guard.all_reduce(big, name="big")
+    assert big[0].item() == dist.get_world_size()
+    after = _collectives_so_far()
+    calls = {k: n - built.get(k, 0) for k, n in after.items() if n != built.get(k, 0)}
+    return {"built": built, "calls": calls}
 
 
 def carried_odd_tensors() -> list[bool]:

@@ -212,11 +212,22 @@ def test_a_carried_all_reduce_gives_what_dist_all_reduce_gives_on_every_rank() -
 
 
 def test_a_guarded_metric_all_reduce_is_one_collective() -> None:
-    counts = spawn(_guard_workers.collectives_per_guarded_call, 2)
+    counts = spawn(_guard_workers.collectives_per_guarded_call, 2, False)
     for c in counts:
         # the 16 B calls: one all-gather each; 1 MiB: the check, then the all-reduce, in the
         # guard's own group (a CPU tensor); nothing in WORLD, where unguarded calls go
-        assert c == {"other gloo:all_gather": 4, "other gloo:all_reduce": 1}, c
+        assert c["calls"] == {"other gloo:all_gather": 4, "other gloo:all_reduce": 1}, c
+        # building it: the host exchange's set-up runs anyway (socket names, then the vote),
+        # so ranks that pass different host_exchange values still agree
+        assert c["built"] == {"other gloo:all_gather": 1, "other gloo:all_reduce": 1}, c
+
+
+def test_on_one_host_the_check_is_no_collective() -> None:
+    for c in spawn(_guard_workers.collectives_per_guarded_call, 2, True):
+        # the names of the ranks' sockets (all-gather) and the vote to use them (all-reduce);
+        # then the metrics travel over the sockets and only the 1 MiB all-reduce is gloo's
+        assert c["built"] == {"other gloo:all_gather": 1, "other gloo:all_reduce": 1}, c
+        assert c["calls"] == {"other gloo:all_reduce": 1}, c
 
 
 def test_the_device_is_part_of_the_fingerprint() -> None:

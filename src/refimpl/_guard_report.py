@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from refimpl._fingerprint import GuardedCall, _decode
+from refimpl._host_exchange import ExchangeFailed
 
 
 class CollectiveMismatch(RuntimeError):
@@ -84,7 +85,9 @@ def timeout_report(
         why = "Each rank's last call:"
     else:  # failed at once: the peers had left (finished, or failed) before this call
         head = f"rank {me} reached {at} after its peers had left, and did not wait"
-    head += f" (failed after {failed_after:.1f} s: {type(exc).__name__}). {why}"
+    # the host exchange says what it saw (a peer gone, or given up); gloo's text is long
+    said = str(exc) if isinstance(exc, ExchangeFailed) else type(exc).__name__
+    head += f" (failed after {failed_after:.1f} s: {said}). {why}"
     return CollectiveMismatch(head + "\n" + "\n".join(lines), last)
 
 

@@ -5,7 +5,10 @@ Per all-reduce, side by side on the same 2 gloo ranks, in one job:
 - ``plain``: ``dist.all_reduce`` in the default group;
 - ``guard_off``: `refimpl.guard.CollectiveGuard` built with ``enabled=False`` (a plain
   all-reduce behind an ``if``);
-- ``guard``: `CollectiveGuard` on (the fingerprint exchange, then the all-reduce);
+- ``guard``: `CollectiveGuard` on (the fingerprint exchange, then the all-reduce); both
+  ranks are on one host, so the fingerprints go over Unix datagram sockets;
+- ``guard_gloo``: `CollectiveGuard` with ``host_exchange=False``: the fingerprints go in a
+  gloo all-gather, as between hosts (and as the guard did on one host before);
 - ``detail``: ``dist.all_reduce`` in a gloo group created while the debug level was
   ``DETAIL`` (what ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` does to every group), so PyTorch's
   ``ProcessGroupWrapper`` checks each call;
@@ -44,16 +47,18 @@ from refimpl.guard import CollectiveGuard
 from refimpl.launch import spawn
 
 SIZES = {"metric (16 B)": 2, "1 MiB": 2**17}  # float64 elements
-METHODS = ("plain", "guard_off", "guard", "detail", "floor", "memcpy")
+METHODS = ("plain", "guard_off", "guard", "guard_gloo", "detail", "floor", "memcpy")
 LABELS = {
     "plain": "all_reduce",
     "guard_off": "guard off",
     "guard": "CollectiveGuard",
+    "guard_gloo": "guard, gloo check",
     "detail": "DETAIL",
     "floor": "16 B first",
     "memcpy": "memcpy",
 }
 _TICKS = {"guard_off": "guard off", "floor": "16 B first", "guard": "Collective\nGuard"}
+_TICKS["guard_gloo"] = "guard,\ngloo check"
 _TICKS["detail"] = "DETAIL"
 WARM_CALLS = 5
 TARGETS = {"metric (16 B)": 2.0, "1 MiB": 1.15}
@@ -102,6 +107,7 @@ def measure(repeats: int, calls: int) -> dict[str, dict[str, list[float]]]:
     """Worker: seconds per call of every method at every size, ``repeats`` interleaved samples."""
     guard_on = CollectiveGuard()
     guard_off = CollectiveGuard(enabled=False)
+    guard_gloo = CollectiveGuard(host_exchange=False)
     detail = _detail_group()
     small = torch.ones(2, dtype=torch.float64)
     ops: dict[str, dict[str, Callable[[], Any]]] = {}
@@ -112,6 +118,7 @@ def measure(repeats: int, calls: int) -> dict[str, dict[str, list[float]]]:
             "plain": partial(dist.all_reduce, t),
             "guard_off": partial(guard_off.all_reduce, t, name="val/acc"),
             "guard": partial(guard_on.all_reduce, t, name="val/acc"),
+            "guard_gloo": partial(guard_gloo.all_reduce, t, name="val/acc"),
             "detail": partial(dist.all_reduce, t, group=detail),
             "floor": partial(_one_then_other, small, t),
             "memcpy": partial(dest.copy_, t),
@@ -161,8 +168,9 @@ def figure(result: dict[str, Any]) -> Any:
     panel per message size (log scale); the guard's target as a dashed line."""
     import matplotlib.pyplot as plt
 
-    methods = ("guard_off", "floor", "guard", "detail")
+    methods = ("guard_off", "floor", "guard_gloo", "guard", "detail")
     colours = {"guard_off": "#8c8c8c", "floor": "#8da0cb", "guard": "#dd8452", "detail": "#c44e52"}
+    colours["guard_gloo"] = "#e8b48f"
     rows = [(label, result["rows"][label]) for label in SIZES if label in result["rows"]]
     fig, axes = plt.subplots(1, len(rows), figsize=(8, 3.4), sharey=True)
     top = max(row["over_plain"][m]["q3"] for _, row in rows for m in methods)
@@ -180,7 +188,7 @@ def figure(result: dict[str, Any]) -> Any:
         ax.axhline(row["target"], color=colours["guard"], ls="--", lw=1)
         ax.set_yscale("log")
         ax.set_ylim(bottom, top * 2.5)
-        ticks = [t for t in (0.2, 0.5, 1, 2, 5, 10, 20, 50, 100) if bottom < t < top * 2.5]
+        ticks = [t for t in (0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50) if bottom < t < top * 2.5]
         ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
         ax.minorticks_off()
         ax.set_xticks(x, [_TICKS[m] for m in methods], fontsize=9)
@@ -236,7 +244,7 @@ def main(argv: list[str]) -> int:
             f"{label}: all_reduce {row['seconds']['plain']['median'] * 1e6:.0f} µs | "
             + " | ".join(
                 f"{LABELS[m]} x{r[m]['median']:.2f} [{r[m]['q1']:.2f}-{r[m]['q3']:.2f}]"
-                for m in ("guard_off", "floor", "guard", "detail")
+                for m in ("guard_off", "floor", "guard_gloo", "guard", "detail")
             )
             + f" | memcpy {row['seconds']['memcpy']['median'] * 1e6:.1f} µs"
         )

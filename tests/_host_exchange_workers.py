@@ -1,0 +1,51 @@
+"""Test-only workers for tests/test_host_exchange.py (importable by name)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+import refimpl._host_exchange as host_exchange
+from refimpl.guard import CollectiveGuard, CollectiveMismatch
+
+
+def guard_path(cut_off: int, wanted: list[bool]) -> tuple[str, str]:
+    """Build a guard (rank ``cut_off`` finds no peer's socket; rank r passes
+    ``host_exchange=wanted[r]``); which path it took, and whether it still catches a
+    mismatch (each rank names its metric after itself)."""
+    rank = dist.get_rank()
+    if rank == cut_off:
+        host_exchange._reachable = lambda address: False  # as if on another host
+    guard = CollectiveGuard(timeout_s=10.0, host_exchange=wanted[rank])
+    path = "host" if guard._host is not None else "gloo"
+    try:
+        guard.all_reduce(torch.ones(2), name=f"metric/{rank}")
+    except CollectiveMismatch:
+        return path, "mismatch"
+    return path, "no error"
+
+
+def peer_leaves() -> tuple[str, str, float]:
+    """Rank 1 closes its guard's socket (what its process's death does to it) and stays
+    away; rank 0 calls: its error, the error of a second call, and how long the first took."""
+    guard = CollectiveGuard(timeout_s=30.0)
+    assert guard._host is not None
+    if dist.get_rank() == 1:
+        dist.barrier()
+        time.sleep(0.3)  # rank 0 is waiting by now
+        guard._host.close()
+        dist.barrier()
+        return "left", "", 0.0
+    dist.barrier()
+    errors = []
+    started = time.monotonic()
+    for _ in range(2):
+        try:
+            guard.all_reduce(torch.ones(2), name="metric")
+        except CollectiveMismatch as exc:
+            errors.append(str(exc))
+    seconds = time.monotonic() - started
+    dist.barrier()
+    return errors[0], errors[1], seconds
