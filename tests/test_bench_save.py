@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -132,3 +133,17 @@ def test_the_figures_leave_pyplot_and_its_backend_alone() -> None:
     assert all(isinstance(f, Figure) for f in figures)
     assert [len(f.axes) for f in figures] == [2, 1]
     assert matplotlib.get_backend() == backend and plt.get_fignums() == before
+
+
+def test_the_table_fits_a_book_page_with_one_line_per_method() -> None:
+    from refimpl.bench._save_figure import LABELS, overhead_table
+
+    data = json.loads((Path(__file__).parents[1] / "book/figures/save.json").read_text())
+    lines = overhead_table(data).splitlines()
+    methods = list(dict.fromkeys(r["method"] for r in data["rows"]))
+    assert len(lines) == 2 + len(methods)  # two header lines, then a row per method
+    assert max(map(len, lines)) <= 80, max(lines, key=len)
+    for line, method in zip(lines[2:], methods, strict=True):
+        assert line.startswith(LABELS[method].replace("\n", " ")), (line, method)
+        seconds = re.findall(r"\d\.\d{3} s", line)  # blocked and total per size
+        assert len(seconds) == 2 * len(data["ratios"]), line

@@ -119,11 +119,12 @@ def overhead_table(data: dict[str, Any]) -> str:
     methods = list(dict.fromkeys(r["method"] for r in data["rows"]))
     rows = {(r["method"], r["bytes"]): r for r in data["rows"]}
     width = max(len(_flat(m)) for m in methods)
-    head = "".join(f"{_size_name(n) + ': blocked / total':>28}" for n in sizes)
-    lines = [f"{'method':<{width}}{head}"]
+    # two header lines, so that two sizes fit in a book's 80 columns
+    lines = [f"{'':<{width}}" + "".join(f"{_size_name(n):>19}" for n in sizes)]
+    lines.append(f"{'method':<{width}}" + f"{'blocked':>11}{'total':>8}" * len(sizes))
     for m in methods:
         cells = "".join(
-            f"{rows[m, n]['blocking_s_median']:>16.3f} s {rows[m, n]['total_s_median']:>7.3f} s"
+            f"{rows[m, n]['blocking_s_median']:>9.3f} s{rows[m, n]['total_s_median']:>6.3f} s"
             for n in sizes
         )
         lines.append(f"{_flat(m):<{width}}{cells}")
