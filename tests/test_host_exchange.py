@@ -74,6 +74,7 @@ def test_a_full_queue_is_retried_not_lost() -> None:
             filled += 1
     except BlockingIOError:
         pass
+    junk.close()
     assert filled >= 1
     seen: list[list[int]] = [[], []]
     first = threading.Thread(target=_run_calls, args=(a, 5, seen, 20.0))
@@ -103,6 +104,7 @@ def test_hostile_datagrams_are_dropped() -> None:
         (0).to_bytes(8, "little") + (7).to_bytes(8, "little") + bytes(ROW),  # no such kind
     ):
         junk.sendto(message, to_b)
+    junk.close()
     seen: list[list[int]] = [[], []]
     _threads([threading.Thread(target=_run_calls, args=(ex, 3, seen, 20.0)) for ex in (a, b)])
     assert seen == [[2] * 3, [2] * 3]

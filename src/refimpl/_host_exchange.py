@@ -29,6 +29,7 @@ import select
 import socket
 import sys
 import time
+import weakref
 from collections import deque
 from typing import Any, NoReturn
 
@@ -80,6 +81,7 @@ class HostExchange:
         self._kinds = memoryview(self._scratch)[:_HEAD].cast("q")
         self._stash: dict[int, deque[bytes]] = {r: deque() for r, _ in self._peers}
         self._broken = ""
+        weakref.finalize(self, sock.close)  # a dropped guard frees its name, quietly
 
     @classmethod
     def connect(cls, group: Any, row_bytes: int, *, wanted: bool = True) -> HostExchange | None:
