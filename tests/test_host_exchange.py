@@ -92,19 +92,30 @@ def _peer_name(a: HostExchange, b: HostExchange) -> bytes:
     return dict(a._peers)[b.me]
 
 
+def _message(rank: int, kind: int, row: bytes = bytes(ROW)) -> bytes:
+    return rank.to_bytes(8, "little") + kind.to_bytes(8, "little") + row
+
+
 def test_hostile_datagrams_are_dropped() -> None:
     a, b = _ranks(2)
     to_b = _peer_name(a, b)
-    junk = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    forged = _message(0, 1, bytes(_row(0, 0)))  # rank 0's row for call 0, exactly
+    # from a's own socket: right sender, wrong contents
     for message in (
         b"short",
         bytes(_HEAD + ROW + 1),  # one byte too long
-        (5).to_bytes(8, "little") + (1).to_bytes(8, "little") + bytes(ROW),  # no such rank
-        (1).to_bytes(8, "little") + (1).to_bytes(8, "little") + bytes(ROW),  # b itself
-        (0).to_bytes(8, "little") + (7).to_bytes(8, "little") + bytes(ROW),  # no such kind
+        _message(5, 1),  # claims a rank that does not exist
+        _message(1, 1),  # claims to be b itself
+        _message(0, 7),  # no such kind
     ):
-        junk.sendto(message, to_b)
-    junk.close()
+        a._sock.sendto(message, to_b)
+    # from strangers: an unnamed socket, and one bound to a name of its own
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as stranger:
+        stranger.sendto(forged, to_b)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as stranger:
+        stranger.bind(b"\0refimpl-test-stranger-%d" % os.getpid())
+        stranger.sendto(forged, to_b)
+        stranger.sendto(_message(0, 2), to_b)  # a forged withdrawal
     seen: list[list[int]] = [[], []]
     _threads([threading.Thread(target=_run_calls, args=(ex, 3, seen, 20.0)) for ex in (a, b)])
     assert seen == [[2] * 3, [2] * 3]

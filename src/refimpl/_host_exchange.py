@@ -73,6 +73,7 @@ class HostExchange:
         self.me, self.world, self.row_bytes = me, len(tokens), row_bytes
         self._sock = sock
         self._peers = [(r, _name(t, r)) for r, t in enumerate(tokens) if r != me]
+        self._rank_of = {address: r for r, address in self._peers}
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
         self._msg = bytearray(_HEAD + row_bytes)
@@ -135,7 +136,7 @@ class HostExchange:
         started = probed = 0.0
         while missing or unsent:
             try:
-                n = self._sock.recv_into(self._scratch)
+                n, address = self._sock.recvfrom_into(self._scratch)
             except BlockingIOError:
                 if unsent:
                     unsent = self._send(msg, unsent)
@@ -151,7 +152,7 @@ class HostExchange:
                 wait_s = 0.001 if unsent else min(_PROBE_EVERY_S, timeout_s - (now - started))
                 self._poll.poll(max(1, int(wait_s * 1000)))
                 continue
-            sender = self._sender(n)
+            sender = self._sender(n, address)
             if sender in missing and not self._stash[sender]:
                 missing.discard(sender)
                 self._take(sender, memoryview(self._scratch)[:n], rows)
@@ -186,13 +187,15 @@ class HostExchange:
                 self._fail(f"rank {r}'s process is gone ({exc.strerror})")
         return unsent
 
-    def _sender(self, n: int) -> int:
+    def _sender(self, n: int, address: Any) -> int:
         """The rank a received message came from, or -1 for anything that is not a peer's
-        message of the right size (another process can write to the name: drop it)."""
-        if n != _HEAD + self.row_bytes:
+        message of the right size sent from that peer's own socket. Any local process can
+        write to the name; none can send from a peer's name while the peer holds it."""
+        rank = self._rank_of.get(address, -1)
+        if n != _HEAD + self.row_bytes or rank < 0:
             return -1
-        rank, kind = self._kinds
-        return rank if rank in self._stash and kind in (_ROW, _WITHDRAW) else -1
+        claimed, kind = self._kinds
+        return rank if claimed == rank and kind in (_ROW, _WITHDRAW) else -1
 
     def _take(self, rank: int, message: memoryview, rows: list[memoryview]) -> None:
         if message[8] == _WITHDRAW:
@@ -203,10 +206,10 @@ class HostExchange:
         """Queue whatever has already arrived, without waiting."""
         while True:
             try:
-                n = self._sock.recv_into(self._scratch)
+                n, address = self._sock.recvfrom_into(self._scratch)
             except BlockingIOError:
                 return
-            sender = self._sender(n)
+            sender = self._sender(n, address)
             if sender >= 0:
                 self._stash[sender].append(bytes(self._scratch[:n]))
 
