@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import async_save
 from torch.distributed.tensor import DTensor
 
+from refimpl._group_timeout import group_timeout
 from refimpl._low_priority import lower_thread_priority
 from refimpl._paced_writer import PacedWriter, check_cpu_share
 from refimpl._sharded_errors import dcp_errors
@@ -66,19 +67,6 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, (list, tuple)):
         return [t for v in obj for t in _tensors(v)]
     return []
-
-
-def _timeout_of(group: dist.ProcessGroup | None) -> timedelta | None:
-    """The collective timeout of ``group`` (default: the world), or None if unreadable."""
-    pg = group or dist.group.WORLD
-    for device in ("cpu", "cuda"):
-        try:
-            timeout = pg._get_backend(torch.device(device)).options._timeout  # type: ignore[union-attr]
-        except (AttributeError, RuntimeError, ValueError):
-            continue
-        if isinstance(timeout, timedelta):
-            return timeout
-    return None
 
 
 class AsyncSaveHandle:
@@ -213,7 +201,9 @@ class AsyncSaver:
                 "torchrun); without one, use save_sharded"
             )
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-        timeout = _timeout_of(process_group) if timeout_s is None else timedelta(seconds=timeout_s)
+        timeout = (
+            group_timeout(process_group) if timeout_s is None else timedelta(seconds=timeout_s)
+        )
         self._pg = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
         pinned = torch.cuda.is_available() if pinned_memory is None else pinned_memory
         self._stager = _ReusingStager(pinned)
