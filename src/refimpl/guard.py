@@ -42,7 +42,6 @@ import torch
 import torch.distributed as dist
 
 from refimpl._fingerprint import (
-    _REDUCE_OPS,
     FINGERPRINT_LEN,
     MAX_DIMS,
     NAME_BYTES,
@@ -51,6 +50,8 @@ from refimpl._fingerprint import (
     _fingerprint,
     _reduce_code,
 )
+from refimpl._group_timeout import group_timeout
+from refimpl._guard_carry import carriable, reduce_in_rank_order
 from refimpl._guard_report import CollectiveMismatch, Where, timeout_report
 from refimpl._host_exchange import HostExchange
 
@@ -72,35 +73,8 @@ exchange itself (see `CollectiveGuard.all_reduce`)."""
 _ROW = FINGERPRINT_LEN + CARRY_BYTES // 8  # int64 slots each rank contributes per exchange
 _CARRY_MAX_WORLD = 64  # past this, gathering every rank's copy costs more than it saves
 _CACHED_FINGERPRINTS = 1024  # kinds of call (op, name, dtype, shape) kept ready per guard
-# What an all-reduce carried in the exchange supports: the reduce ops, applied in rank order
-# with element-wise ops (the same arithmetic on every rank), and the dtypes.
-_CODE = {name: code for code, name in _REDUCE_OPS.items()}
 _SUM = dist.ReduceOp.SUM
-assert _CODE["SUM"] == 0  # all_reduce's fast path for the default op
-_CARRIED_OPS: dict[int, Any] = {
-    _CODE["SUM"]: np.add,
-    _CODE["PRODUCT"]: np.multiply,
-    _CODE["MAX"]: np.maximum,
-    _CODE["MIN"]: np.minimum,
-}
-_CARRIED_DTYPES = {
-    torch.float16, torch.float32, torch.float64,
-    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-}  # fmt: skip
-
-
-def _group_timeout(group: Any) -> float:
-    """The timeout ``group`` (default: WORLD) was created with, in seconds.
-
-    torch keeps it in each backend's options (``ProcessGroupGloo`` and ``ProcessGroupNCCL``
-    both expose ``options._timeout``); `default_pg_timeout` if no backend says.
-    """
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    for device in pg._device_types:
-        timeout = getattr(getattr(pg._get_backend(device), "options", None), "_timeout", None)
-        if isinstance(timeout, datetime.timedelta):
-            return timeout.total_seconds()
-    return dist.default_pg_timeout.total_seconds()
+assert _reduce_code(_SUM) == 0  # all_reduce's fast path for the default op
 
 
 class CollectiveGuard:
@@ -133,9 +107,9 @@ class CollectiveGuard:
     ) -> None:
         self.enabled = enabled and os.environ.get("REFIMPL_GUARD", "1") != "0"
         self.group = group
-        if timeout_s is None:
-            timeout_s = _group_timeout(group) if dist.is_initialized() else 60.0
-        self.timeout_s = timeout_s
+        if timeout_s is None and dist.is_initialized():
+            timeout_s = (group_timeout(group) or dist.default_pg_timeout).total_seconds()
+        self.timeout_s = 60.0 if timeout_s is None else timeout_s
         self.seq = 0
         self._check_group: Any = None
         self._store: Any = None
@@ -147,7 +121,6 @@ class CollectiveGuard:
         self._fp_t = torch.frombuffer(self._fp, dtype=torch.int64)
         self._fp_np = np.frombuffer(self._fp, dtype=np.int64)
         self._carry_np = self._fp_np[FINGERPRINT_LEN:].view(np.uint8)
-        self._head_bytes = memoryview(self._fp).cast("B")[: FINGERPRINT_LEN * 8]
         self._heads_bytes: list[memoryview] = []
         self._typed_rows: dict[Any, list[np.ndarray[Any, Any]]] = {}
         self._all = array("q")
@@ -157,6 +130,7 @@ class CollectiveGuard:
         self._want_host = host_exchange
         self._host: HostExchange | None = None  # set by _join when every rank is on this host
         self._row_bytes = memoryview(self._fp).cast("B")
+        self._head_bytes = self._row_bytes[: FINGERPRINT_LEN * 8]
         self._rows_bytes: list[memoryview] = []
         self._heads = np.empty((0, FINGERPRINT_LEN), dtype=np.int64)
         self._carried_rows = np.empty((0, CARRY_BYTES), dtype=np.uint8)
@@ -169,7 +143,7 @@ class CollectiveGuard:
         if self.enabled and dist.is_initialized():
             ranks = None if group is None else dist.get_process_group_ranks(group)
             self._check_group = dist.new_group(
-                ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)
+                ranks, backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s)
             )
             try:  # the store is where a rank leaves its last call for a timeout report
                 self._store = dist.distributed_c10d._get_default_store()
@@ -264,11 +238,7 @@ class CollectiveGuard:
         whose fingerprints agree always decide alike."""
         world = self._world if self._world is not None else self._join()
         return (
-            tensor.nbytes <= CARRY_BYTES
-            and tensor.is_cpu
-            and code in _CARRIED_OPS
-            and tensor.dtype in _CARRIED_DTYPES
-            and world <= _CARRY_MAX_WORLD
+            tensor.nbytes <= CARRY_BYTES and world <= _CARRY_MAX_WORLD and carriable(tensor, code)
         )
 
     def _reduce_carried(
@@ -282,16 +252,7 @@ class CollectiveGuard:
         if copies is None:  # each rank's carried bytes, as this dtype: views, made once
             typed = self._carried_rows[:, : values.nbytes].view(values.dtype)
             copies = self._typed_rows[key] = list(typed)
-        combine = _CARRIED_OPS[code]
-        out = values.reshape(-1)  # a view of the tensor, unless it is strided
-        if len(copies) == 1:
-            np.copyto(out, copies[0])
-        else:
-            combine(copies[0], copies[1], out=out)
-        for r in range(2, len(copies)):
-            combine(out, copies[r], out=out)
-        if not values.flags.c_contiguous:  # reshape may have copied: write the result back
-            tensor.copy_(torch.from_numpy(out).view(tensor.shape))
+        reduce_in_rank_order(copies, values, tensor, code)
 
     def _static_part(
         self, op: str, name: str, tensor: torch.Tensor | None, detail: int
