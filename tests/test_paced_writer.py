@@ -85,6 +85,14 @@ def _assert_reads_back(path: Path, state: dict[str, torch.Tensor]) -> None:
     assert all(torch.equal(out["model"][k], state[k]) for k in state)
 
 
+def _pieces(rec: _Recorder) -> list[int]:
+    """The sizes of the pieces the paced stream handed the kernel, checked: the big records
+    were cut up, into pieces of at most PIECE_BYTES."""
+    pieces = [n for kind, n in rec.events if kind == "piece"]
+    assert pieces and max(pieces) == PIECE_BYTES, pieces
+    return pieces
+
+
 @pytest.mark.timeout(60)
 def test_a_background_write_goes_in_paced_pieces_and_plain_dcp_reads_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -92,8 +100,7 @@ def test_a_background_write_goes_in_paced_pieces_and_plain_dcp_reads_it(
     rec = _Recorder(monkeypatch)
     state = _state()
     _async_save(state, PacedWriter(tmp_path / "ck", cpu_share=0.5))
-    pieces = [n for kind, n in rec.events if kind == "piece"]
-    assert pieces and max(pieces) == PIECE_BYTES, pieces  # the big record was cut up
+    pieces = _pieces(rec)
     assert sum(n for kind, n in rec.events if kind == "write") == sum(pieces)
     # every piece handed to the kernel is followed by a wait, in the writing thread
     kinds = [kind for kind, _ in rec.events if kind != "write"]
@@ -112,12 +119,11 @@ def test_unpaced_background_writes_never_sleep_and_only_share_1_cuts_pieces(
     monkeypatch.setattr(_paced_writer.time, "sleep", slept.append)
     state = _state()
     _async_save(state, PacedWriter(tmp_path / "bg", cpu_share=share))
-    pieces = [n for kind, n in rec.events if kind == "piece"]
     assert slept == []
     if share is None:  # DCP's own writes: a record per call, no paced stream at all
         assert rec.events == []
     else:
-        assert pieces and max(pieces) == PIECE_BYTES, pieces
+        _pieces(rec)
     _assert_reads_back(tmp_path / "bg", state)
 
 
