@@ -55,8 +55,9 @@ def test_pause_only_for_main_and_resume_freezes_once() -> None:
 def test_a_program_turns_the_collector_back_on_after_start_up(
     module: str, args: list[str], tmp_path: Path
 ) -> None:
-    if module.endswith("chaos_trainers"):
-        args = [*args, "--out", str(tmp_path)]
+    # each writes under tmp_path (refimpl.train's default --ckpt-dir is ./ckpt: the repository)
+    out_flag = "--out" if module.endswith("chaos_trainers") else "--ckpt-dir"
+    args = [*args, out_flag, str(tmp_path)]
     assert _python(_RUN_AS_PROGRAM.format(module=module, args=args)) == "enabled True frozen True"
 
 
