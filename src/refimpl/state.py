@@ -88,7 +88,11 @@ def capture_rng() -> dict[str, Any]:
 
 
 def restore_rng(state: Mapping[str, Any]) -> None:
-    """Put back what `capture_rng` captured (after a weights-only load)."""
+    """Put back what `capture_rng` captured (after a weights-only load).
+
+    The state may have been loaded onto a GPU (``map_location=rank_device()`` moves every
+    tensor of a checkpoint there); RNG states are host data, so each is read from the CPU.
+    """
     py = state["python"]
     if isinstance(py, Mapping):
         random.setstate((py["version"], tuple(py["internal"].tolist()), py["gauss"]))
@@ -96,11 +100,11 @@ def restore_rng(state: Mapping[str, Any]) -> None:
         version, internal, gauss = py
         random.setstate((version, tuple(internal), gauss))
     n = state["numpy"]
-    keys = n["keys"].numpy().astype(np.uint32)
+    keys = n["keys"].cpu().numpy().astype(np.uint32)
     np.random.set_state((n["name"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 def _user_keys(extra: Mapping[str, Any]) -> dict[str, Any]:
