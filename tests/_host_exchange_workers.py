@@ -49,3 +49,41 @@ def peer_leaves() -> tuple[str, str, float]:
     seconds = time.monotonic() - started
     dist.barrier()
     return errors[0], errors[1], seconds
+
+
+class _Numbers(torch.utils.data.Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 100
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i])
+
+
+def peer_leaves_with_forked_workers() -> tuple[str, float]:
+    """As `peer_leaves`, but rank 1 first starts a DataLoader worker by ``fork`` (Linux's
+    default start method before Python 3.14), which lives on after rank 1 closes its guard's
+    socket: rank 0's error and how long its call took."""
+    guard = CollectiveGuard(timeout_s=30.0)
+    assert guard._host is not None
+    if dist.get_rank() == 1:
+        loader = torch.utils.data.DataLoader(
+            _Numbers(), num_workers=1, multiprocessing_context="fork", persistent_workers=True
+        )
+        batches = iter(loader)
+        next(batches)  # the worker is running
+        dist.barrier()
+        time.sleep(0.3)
+        guard._host.close()
+        dist.barrier()  # the worker is still alive here: rank 0 has finished its call
+        del batches, loader
+        return "left", 0.0
+    dist.barrier()
+    started = time.monotonic()
+    try:
+        guard.all_reduce(torch.ones(2), name="metric")
+        error = "no error"
+    except CollectiveMismatch as exc:
+        error = str(exc)
+    seconds = time.monotonic() - started
+    dist.barrier()
+    return error, seconds

@@ -5,10 +5,12 @@ The exchange itself is tested in one process, a thread per rank (no process grou
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import threading
 import time
+from typing import Any
 
 import _host_exchange_workers as workers
 import pytest
@@ -179,3 +181,37 @@ def test_a_guard_whose_peer_left_says_so_at_once() -> None:
     assert "after its peers had left" in first and "rank 1's process is gone" in first, first
     assert "out of step" in again, again
     assert rank1 == ("left", "", 0.0)
+
+
+def test_a_peer_that_left_is_seen_gone_though_its_forked_worker_lives() -> None:
+    # A forked child inherits the rank's socket, and a name stays bound while any descriptor
+    # of it is open: without closing it in the child, rank 0 waited the guard's whole 30 s.
+    rank0, rank1 = spawn(workers.peer_leaves_with_forked_workers, 2, timeout_s=90)
+    first, seconds = rank0
+    assert "rank 1's process is gone" in first, first
+    assert seconds < 5  # the probe's 1 s, not the guard's 30 s timeout
+    assert rank1 == ("left", 0.0)
+
+
+def _use_in_child(ex: HostExchange, out: Any) -> None:
+    rows = [memoryview(bytearray(ROW)) for _ in range(ex.world)]
+    try:
+        ex.exchange(_row(ex.me, 0), rows, 1.0)
+        out.put("no error")
+    except ExchangeFailed as exc:
+        out.put(str(exc))
+
+
+def test_a_forked_child_closes_its_copy_and_cannot_use_the_exchange() -> None:
+    a, b = _ranks(2)
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_use_in_child, args=(a, out))
+    child.start()
+    said = out.get(timeout=30)
+    child.join(timeout=30)
+    assert "is a forked child of rank 0" in said, said
+    # the parent's name is still bound (the child closed only its own copy): b reaches a
+    seen: list[list[int]] = [[], []]
+    _threads([threading.Thread(target=_run_calls, args=(ex, 3, seen, 20.0)) for ex in (a, b)])
+    assert seen == [[2] * 3, [2] * 3]

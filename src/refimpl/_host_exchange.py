@@ -9,9 +9,12 @@ all-reduce went from x1.4-1.5 a bare one (gloo check) to x0.98-1.08 (sockets).
 
 Each rank binds a socket in Linux's abstract namespace under a random name (nothing on disk
 to clean up; the kernel drops the name when the last descriptor closes, so a dead rank's
-name disappears). The names travel in one all-gather in the caller's group; each rank then
-checks it can reach every peer's name (``connect`` sends nothing) and the ranks agree, with
-one all-reduce, to use the sockets only if every rank reached every peer. Ranks on different
+name disappears). A child forked from a rank (a DataLoader worker under ``fork``) would keep
+the name bound after the rank died, and its peers would wait out the timeout instead of
+seeing it gone: every forked child closes its copies at once (``os.register_at_fork``).
+The names travel in one all-gather in the caller's group; each rank then checks it can
+reach every peer's name (``connect`` sends nothing) and the ranks agree, with one
+all-reduce, to use the sockets only if every rank reached every peer. Ranks on different
 hosts (or in different network namespaces) cannot, and keep the gloo path.
 
 Ordering: a datagram socket keeps each sender's messages in order, and a rank sends exactly
@@ -43,6 +46,25 @@ socket before senders must retry."""
 _ROW, _WITHDRAW = 1, 2  # message kinds
 _HEAD = 16  # bytes before the row: sender's rank and kind, two int64
 _PROBE_EVERY_S = 1.0  # while waiting, how often to check that the missing peers still exist
+
+
+_OPEN: weakref.WeakSet[socket.socket] = weakref.WeakSet()  # this process's guard sockets
+_EXCHANGES: weakref.WeakSet[HostExchange] = weakref.WeakSet()
+
+
+def _close_in_forked_child() -> None:
+    """In a forked child: close its copies of the rank's sockets, so that a name stays bound
+    only as long as the rank itself lives; an exchange used here says why it cannot work."""
+    for sock in list(_OPEN):
+        sock.close()
+    for ex in list(_EXCHANGES):
+        ex._broken = (
+            f"this process (pid {os.getpid()}) is a forked child of rank {ex.me}; "
+            "a guard works only in the rank that built it"
+        )
+
+
+os.register_at_fork(after_in_child=_close_in_forked_child)
 
 
 class ExchangeFailed(RuntimeError):
@@ -82,6 +104,8 @@ class HostExchange:
         self._kinds = memoryview(self._scratch)[:_HEAD].cast("q")
         self._stash: dict[int, deque[bytes]] = {r: deque() for r, _ in self._peers}
         self._broken = ""
+        _OPEN.add(sock)
+        _EXCHANGES.add(self)
         weakref.finalize(self, sock.close)  # a dropped guard frees its name, quietly
 
     @classmethod
@@ -95,6 +119,7 @@ class HostExchange:
         sock, token = None, 0
         if wanted and sys.platform.startswith("linux"):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            _OPEN.add(sock)
             for _ in range(3):  # a random name; a clash (never seen) draws again
                 token = int.from_bytes(os.urandom(8), "little") >> 1
                 try:
