@@ -80,3 +80,15 @@ def test_sum_order_depends_on_the_layout_from_three_ranks_on() -> None:
     assert set(two.values()) == {0}  # a + b == b + a: two ranks never differ
     three = spawn(sum_order_by_layout, 3, timeout_s=60)[0]
     assert three["in two buckets"] > 0 and max(three.values()) <= 1000, three
+
+
+def test_static_graph_is_what_reentrant_checkpointing_twice_needs() -> None:
+    from refimpl.demos.ddp_details import checkpoint_twice
+
+    good = {"error": "", "true average": True, "ranks agree": True}
+    for use_reentrant, static_graph in ((False, False), (False, True), (True, True)):
+        assert spawn(checkpoint_twice, 2, use_reentrant, static_graph) == [good] * 2
+    # reentrant, no static_graph: no error, and each rank keeps a different gradient
+    quiet = spawn(checkpoint_twice, 2, True, False)
+    assert [r["error"] for r in quiet] == ["", ""]
+    assert not any(r["true average"] or r["ranks agree"] for r in quiet), quiet

@@ -28,6 +28,7 @@ __all__ = [
     "accumulation_matches_global_batch",
     "buffer_drift",
     "buffers_at_construction",
+    "checkpoint_twice",
     "ddp_unused_parameter",
     "join_uneven_inputs",
     "no_sync_placement",
@@ -293,3 +294,50 @@ def sum_order_by_layout(numel: int = 1000, shifts: tuple[int, ...] = (1, 7, 100)
         dist.all_reduce(half)
     out["in two buckets"] = int((torch.cat(halves) != reference).sum())
     return out
+
+
+class _CheckpointedTwice(nn.Module):
+    """One ``Linear`` run twice in a forward, each time under activation checkpointing."""
+
+    def __init__(self, use_reentrant: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for _ in range(2):
+            x = checkpoint(self.lin, x, use_reentrant=self.use_reentrant)
+        return x
+
+
+def checkpoint_twice(use_reentrant: bool, static_graph: bool) -> dict[str, Any]:
+    """Worker: one layer checkpointed twice, under DDP with ``static_graph``, on inputs that
+    differ by rank. Whether backward raised (its first line, else ``""``), whether this rank's
+    gradient equals the average of the ranks' gradients computed without DDP, and whether
+    every rank holds the same gradient."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = DDP(_CheckpointedTwice(use_reentrant), static_graph=static_graph)
+    torch.manual_seed(0)
+    alone = _CheckpointedTwice(use_reentrant)
+    x = torch.full((2, 4), float(rank + 1))
+    alone(x.clone().requires_grad_()).sum().backward()
+    want = cast(torch.Tensor, alone.lin.weight.grad).clone()
+    dist.all_reduce(want)
+    want /= world
+    error = ""
+    try:
+        model(x.clone().requires_grad_()).sum().backward()
+    except RuntimeError as exc:
+        error = str(exc).splitlines()[0]
+    got = model.module.lin.weight.grad
+    got = torch.zeros(4, 4) if got is None else got.detach().clone()
+    every = [torch.empty_like(got) for _ in range(world)]
+    dist.all_gather(every, got)
+    return {
+        "error": error,
+        "true average": not error and torch.allclose(got, want),
+        "ranks agree": all(torch.equal(every[0], g) for g in every),
+    }
