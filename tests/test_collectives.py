@@ -118,3 +118,14 @@ def test_a_ring_of_blocking_sends_is_stuck_and_ordering_by_parity_fixes_it() -> 
     assert fixed == [("sum correct", "")] * 3
     with pytest.raises(ValueError, match="order must be one of"):
         blocking_ring("recv first")
+
+
+def test_a_2x2_mesh_groups_rows_and_columns() -> None:
+    from refimpl.demos.collectives import mesh_view
+
+    views = spawn(mesh_view, 4)
+    for rank, view in enumerate(views):
+        row, col = divmod(rank, 2)
+        assert view["coordinate"] == (row, col)
+        assert view["tp group"] == [2 * row, 2 * row + 1] and view["tp sum"] == 4 * row + 1
+        assert view["dp group"] == [col, col + 2] and view["dp sum"] == 2 * col + 2

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from refimpl import collectives
 from refimpl.device import rank_device
 
-__all__ = ["blocking_ring"]
+__all__ = ["blocking_ring", "mesh_view"]
 
 ORDERS = ("send first", "even ranks send first")
 
@@ -63,3 +63,23 @@ def blocking_ring(
             return ("stuck until timeout" if stuck else "error"), message
     dist.all_reduce(data)
     return ("sum correct" if torch.equal(ours, data) else "sum wrong"), ""
+
+
+def mesh_view(shape: tuple[int, int] = (2, 2)) -> dict[str, object]:
+    """Worker: arrange the world as a 2-D ``DeviceMesh`` named ("dp", "tp") of ``shape``.
+
+    Returns this rank's coordinate in the mesh, the global ranks of the process group along
+    each dimension (what ``mesh.get_group(name)`` hands to a collective), and the sum of the
+    global ranks all-reduced in each of those groups.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(rank_device().type, shape, mesh_dim_names=("dp", "tp"))
+    out: dict[str, object] = {"coordinate": mesh.get_coordinate()}
+    for name in ("dp", "tp"):
+        group = mesh.get_group(name)
+        total = torch.tensor([dist.get_rank()], device=rank_device())
+        dist.all_reduce(total, group=group)
+        out[f"{name} group"] = dist.get_process_group_ranks(group)
+        out[f"{name} sum"] = int(total.item())
+    return out
