@@ -1,10 +1,13 @@
-"""Chapter 1's exercise: the ring all-reduce with blocking sends.
+"""Chapter 1's exercise (the ring all-reduce with blocking sends) and its device mesh.
 
 `refimpl.collectives.ring_all_reduce` posts each step's send and receive together
 (``dist.batch_isend_irecv``). `blocking_ring` runs the same ring with a plain
 ``dist.send`` and ``dist.recv`` in their place: every rank sending first, or even ranks
 sending first and odd ranks receiving first. Run it under `refimpl.launch.spawn` with a
 short ``pg_timeout_s`` so that a deadlock ends as a timeout.
+
+`mesh_view` shows the ranks as a 2-D ``DeviceMesh`` and the process group along each of its
+dimensions.
 """
 
 from __future__ import annotations
