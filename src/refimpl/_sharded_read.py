@@ -35,7 +35,7 @@ from torch.futures import Future
 
 from refimpl._regular_file import open_regular
 from refimpl._sharded_ranges import read_ranges
-from refimpl._sharded_seen import Seen, unchanged
+from refimpl._sharded_seen import Seen, after_hashing, before_hashing, unchanged
 from refimpl.atomic import DIGESTS
 from refimpl.checkpoint import DIGEST
 
@@ -106,6 +106,9 @@ class VerifyingReader(FileSystemReader):
         self._seen = dict(seen or {})
         self.hashed: list[str] = []
         """The files this rank hashed itself (the others: unchanged since rank 0 did)."""
+        self.records: dict[str, Seen] = {}
+        """What this rank saw of each file it hashed (`refimpl._sharded_seen`), so that a
+        second load of the same step in this process need not hash it again."""
         self._metadata = metadata
         self._opened: dict[str, IO[bytes]] = {}
         self.fs = _VerifiedFiles(self._opened)
@@ -138,6 +141,7 @@ class VerifyingReader(FileSystemReader):
             if unchanged(f.fileno(), seen) and os.fstat(f.fileno()).st_size == size:
                 return f  # the very file rank 0 just hashed on this machine, not changed since
             self.hashed.append(name)
+            record = before_hashing(f.fileno())
             hasher = DIGESTS[DIGEST]()
             got = 0
             while chunk := f.read(_CHUNK):
@@ -148,6 +152,9 @@ class VerifyingReader(FileSystemReader):
                     f"{name} has {got} bytes with {DIGEST} {hasher.hexdigest()} on this rank; "
                     f"the manifest rank 0 verified says {size} bytes, {digest}"
                 )
+            record = after_hashing(f.fileno(), record)
+            if record is not None:
+                self.records[name] = record
         except BaseException:
             f.close()
             raise

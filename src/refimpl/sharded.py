@@ -222,7 +222,10 @@ def load_sharded(
     back into the mapping (``state[name] = saved``). `PerRank` entries are restored on the
     same rank when the world size equals the saving one (the manifest's ``world_size``); at
     another world size they are left as they are, their ``restored`` is False and a warning
-    names them. A name the step does not have, or has as the other kind, raises.
+    names them. A name the step does not have, or has as the other kind, raises. The entries
+    are restored before the model, on every rank or on none: when a ``load_state_dict``
+    raises on any rank, every rank puts back the entries it had set and raises the same
+    `ShardedCheckpointError` naming the rank and the entry, the model and optimizer untouched.
 
     Fine-tuning from a step: without ``optimizer`` and ``state`` only the model's weights
     are read (the step's optimizer and state entries are not planned, so DCP reads none of
