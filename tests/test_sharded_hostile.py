@@ -19,6 +19,7 @@ from unittest import mock
 
 import pytest
 import torch
+from _sharded_craft import bytes_item_in_place_of
 from _sharded_models import fresh, trained
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
@@ -368,3 +369,21 @@ def test_only_the_file_rank_0_hashed_unchanged_on_this_machine_is_not_hashed_aga
             shard_file.write_bytes(shard_file.read_bytes())  # same bytes, a new ctime
             assert load_sharded(tmp_path, *fresh()) == 1
     assert [r.hashed for r in readers] == [["__0_0.distcp"], [], ["__0_0.distcp"]]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("key", ["model.0.weight", "optim.state.0.weight.exp_avg"])
+def test_a_non_tensor_item_in_place_of_a_tensor_is_skipped_with_a_reason(
+    tmp_path: Path, key: str
+) -> None:
+    _model, _opt, step2 = _two_steps(tmp_path)
+    bytes_item_in_place_of(step2, key, "not a weight")
+    target, target_opt = fresh()
+    before = full_state(target, target_opt)
+    step, skipped, diff = _load_collecting(tmp_path)  # before: raised, no fallback
+    assert step == 1 and diff == 0.0
+    assert f"{key!r} is a non-tensor item in the step, a Tensor here" in skipped["step_00000002"]
+    with pytest.raises(ShardedCheckpointError, match="non-tensor item in the step") as info:
+        load_sharded(step2, target, target_opt)  # that one step: refused, nothing loaded
+    assert info.value.unsafe
+    assert max_abs_diff(full_state(target, target_opt), before) == 0.0

@@ -31,7 +31,13 @@ from refimpl._dcp_metadata import UnsafeMetadata, check_metadata
 from refimpl._sharded_commit import METADATA, Expected
 from refimpl._sharded_errors import LOAD_ADVICE, ShardedCheckpointError, dcp_errors
 from refimpl._sharded_group import Group, quiet_no_dist
-from refimpl._sharded_read import VerifyingReader, WeightsOnlyLoadPlanner, _few, check_keys
+from refimpl._sharded_read import (
+    VerifyingReader,
+    WeightsOnlyLoadPlanner,
+    _few,
+    check_keys,
+    check_kinds,
+)
 from refimpl._sharded_seen import Seen
 
 logger = logging.getLogger("refimpl.sharded")
@@ -227,6 +233,7 @@ def load_step(
     if misfit is not None:
         raise ShardedCheckpointError(step_dir, f"{misfit}. {LOAD_ADVICE}", rank=group.rank)
     planned = _without(target, excluded)
+    wanted: dict[str, Any] = {}
     skipped: list[str] = []
     applied = _sharded_state.Applied(state or {})
     if state:
@@ -247,6 +254,9 @@ def load_step(
             "state= does not fit this step: pass the names (and kinds) it was saved with",
             unsafe=False,
         )
+    kinds = check_kinds(metadata, {**planned, **wanted})
+    _refuse(group, step_dir, kinds and f"rank {group.rank}: {kinds}", "refused", unsafe=True)
+    if state:
         reader = _load_into(group, step_dir, expected, metadata, seen, wanted)
         seen = {**(seen or {}), **reader.records}  # what this rank just hashed: not again
         values: dict[str, Any] = {}

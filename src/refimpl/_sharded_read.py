@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.default_planner import (
     _EmptyStateDictLoadPlanner,
 )
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
@@ -216,6 +216,27 @@ def check_keys(
     if missing:
         parts.append(f"key(s) of the model missing from the checkpoint {_few(missing)}")
     return "does not match the model: " + "; ".join(parts)
+
+
+def check_kinds(metadata: Metadata, planned: Mapping[str, Any]) -> str | None:
+    """Why an item the load would read is a tensor in the step and not in ``planned`` (the
+    state dict DCP loads into), or the other way round, or None.
+
+    A step built by this model's save has each item as the kind the model holds; another kind
+    (a non-tensor item where the model has a weight) is a crafted or foreign step, which DCP
+    would load, putting the item where the tensor was, and ``set_state_dict`` refuse.
+    """
+    flat, _mappings = flatten_state_dict(dict(planned))
+    wrong = []
+    for key, value in flat.items():
+        saved = metadata.state_dict_metadata.get(key)
+        if saved is None:
+            continue
+        tensor_saved = not isinstance(saved, BytesStorageMetadata)
+        if tensor_saved != isinstance(value, torch.Tensor):
+            kind = "a tensor" if tensor_saved else "a non-tensor item"
+            wrong.append(f"{key!r} is {kind} in the step, a {type(value).__name__} here")
+    return f"items of another kind than this run's: {_few(wrong)}" if wrong else None
 
 
 def _few(keys: list[str], limit: int = 8) -> str:

@@ -206,7 +206,8 @@ def load_sharded(
     rank 0's machine, the very file rank 0 just hashed, unchanged since
     (`refimpl._sharded_seen`): a file that changed after rank 0's check, or differs on that
     rank's node, skips the step before anything is loaded. ``dcp.load`` loads non-tensor
-    items weights-only (one that is not is refused, and the next older step tried), each
+    items weights-only (one that is not is refused, and the next older step tried, as is a
+    step whose item is another kind than the model's: a non-tensor item for a weight), each
     tensor from only the bytes of the rows this rank holds (`refimpl._sharded_ranges`);
     ``set_state_dict`` puts the result in place. The world size may differ from the one that
     saved: DCP reshards.
