@@ -188,7 +188,7 @@ def test_build_is_refused_on_anything_but_dcp_dataclass_fields() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_a_stray_file_leaves_the_step_loadable_an_unlisted_loadable_one_does_not(
+def test_a_stray_file_leaves_the_step_loadable_an_unlisted_shard_does_not(
     tmp_path: Path,
 ) -> None:
     _model, _opt, step2 = _two_steps(tmp_path)
@@ -196,10 +196,26 @@ def test_a_stray_file_leaves_the_step_loadable_an_unlisted_loadable_one_does_not
         (step2 / stray).write_bytes(b"\0stray")
     step, skipped, diff = _load_collecting(tmp_path)  # before: step 1, "extra ['.DS_Store', ...]"
     assert (step, skipped, diff) == (2, {}, 0.0)
-    consolidate(step2, step2 / "model.pt")  # consolidate()'s output next to the shards
+    (step2 / "model.pt").write_bytes(b"\0")  # a .pt a sharded load never opens
+    step, skipped, diff = _load_collecting(tmp_path)
+    assert (step, skipped, diff) == (2, {}, 0.0)  # before: step 1, "found ['model.pt']"
+    (step2 / "__9_0.distcp").write_bytes(b"\0")  # a shard file the manifest does not list
     step, skipped, diff = _load_collecting(tmp_path)
     assert step == 1 and diff == 0.0
-    assert "found ['model.pt'], which the manifest does not list" in skipped["step_00000002"]
+    assert "found ['__9_0.distcp'], which the manifest does not list" in skipped["step_00000002"]
+
+
+@pytest.mark.timeout(60)
+def test_consolidate_refuses_an_output_inside_a_step(tmp_path: Path) -> None:
+    _model, _opt, step2 = _two_steps(tmp_path)
+    (tmp_path / "link").symlink_to(step2, target_is_directory=True)
+    for out in (step2 / "model.pt", tmp_path / "link" / "model.pt", step2 / "sub" / "m.pt"):
+        with pytest.raises(ValueError, match="is inside the step"):
+            consolidate(step2, out)  # before: wrote into the committed step
+    with pytest.raises(ValueError, match="inside the checkpoint step"):
+        consolidate(step2, tmp_path / "step_00000001" / "model.pt")  # another step
+    assert sorted(p.name for p in tmp_path.rglob("*.pt")) == []
+    assert consolidate(step2, tmp_path / "model.pt") == tmp_path / "model.pt"  # beside: fine
 
 
 @pytest.mark.timeout(60)

@@ -134,6 +134,20 @@ def export_target(step_dir: Path, out_dir: Path) -> Path:
     return target
 
 
+def check_output_file(step_dir: Path, out_path: Path) -> None:
+    """Raise ``ValueError`` when ``out_path`` (followed if a link) would be written inside
+    ``step_dir`` or inside any other step directory: a committed step holds what its
+    manifest lists, and nothing is written into one after its commit."""
+    target = Path(os.path.realpath(out_path))
+    if target.is_relative_to(Path(os.path.realpath(step_dir))):
+        raise ValueError(f"{out_path} is inside the step {step_dir}: write it somewhere else")
+    for parent in target.parents:
+        if _STEP_LIKE.fullmatch(parent.name) or (parent / COMMIT_MARKER).exists():
+            raise ValueError(
+                f"{out_path} is inside the checkpoint step {parent}: write it somewhere else"
+            )
+
+
 def _is_export_file(name: str) -> bool:
     return name in (SINGLE, INDEX) or _SHARD_RE.fullmatch(name) is not None
 

@@ -44,7 +44,7 @@ from refimpl._digested_writer import DigestedWriter
 from refimpl._sharded_async import AsyncSaveHandle, AsyncSaver, default_saver
 from refimpl._sharded_commit import verify_step
 from refimpl._sharded_errors import ShardedCheckpointError, dcp_errors
-from refimpl._sharded_export import export_hf, read_full
+from refimpl._sharded_export import check_output_file, export_hf, read_full
 from refimpl._sharded_group import Group, commit_step, discard, prepare_step, quiet_no_dist
 from refimpl._sharded_inspect import inspect_sharded
 from refimpl._sharded_load import load_step
@@ -290,8 +290,11 @@ def consolidate(
     is written with `refimpl.atomic.atomic_save`, so a crash leaves the old file or the new
     one. The result loads with ``refimpl.checkpoint.safe_load`` and, for ``key="model"``,
     ``model.load_state_dict`` on an unwrapped model. Returns ``out_path``. `export_hf`
-    writes the model as Hugging Face safetensors instead.
+    writes the model as Hugging Face safetensors instead. An ``out_path`` inside the step, or
+    inside any other step directory, raises ``ValueError`` before anything is read (a step
+    must hold only what its manifest lists).
     """
+    check_output_file(Path(step_dir), Path(out_path))
     value = read_full(Path(step_dir), key)
     if dtype is not None:
         value = {
