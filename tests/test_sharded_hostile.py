@@ -403,3 +403,15 @@ def test_a_non_tensor_item_in_place_of_a_tensor_is_skipped_with_a_reason(
         load_sharded(step2, target, target_opt)  # that one step: refused, nothing loaded
     assert info.value.unsafe
     assert max_abs_diff(full_state(target, target_opt), before) == 0.0
+
+
+@pytest.mark.timeout(60)
+def test_a_float_learning_rate_still_loads_into_a_tensor_one(tmp_path: Path) -> None:
+    """The kind check leaves the optimizer's hyper-parameters to DCP and torch: a rate saved
+    as a float loads where the optimizer holds a tensor rate, as it did before the check."""
+    model, opt = trained()
+    save_sharded(tmp_path, model, opt, 1)
+    target = fresh()[0]
+    target_opt = torch.optim.Adam(target.parameters(), lr=torch.tensor(0.5))
+    assert load_sharded(tmp_path, target, target_opt) == 1
+    assert target_opt.param_groups[0]["lr"] == 1e-2

@@ -224,13 +224,16 @@ def check_kinds(metadata: Metadata, planned: Mapping[str, Any]) -> str | None:
 
     A step built by this model's save has each item as the kind the model holds; another kind
     (a non-tensor item where the model has a weight) is a crafted or foreign step, which DCP
-    would load, putting the item where the tensor was, and ``set_state_dict`` refuse.
+    would load, putting the item where the tensor was, and ``set_state_dict`` refuse. The
+    optimizer's hyper-parameters (``optim.param_groups``) are left out: a learning rate saved
+    as a float loads into an optimizer whose rate is a tensor, and the other way round DCP
+    refuses on its own.
     """
     flat, _mappings = flatten_state_dict(dict(planned))
     wrong = []
     for key, value in flat.items():
         saved = metadata.state_dict_metadata.get(key)
-        if saved is None:
+        if saved is None or key.startswith("optim.param_groups."):
             continue
         tensor_saved = not isinstance(saved, BytesStorageMetadata)
         if tensor_saved != isinstance(value, torch.Tensor):
