@@ -7,9 +7,11 @@ import logging
 import os
 import pickle
 import re
+import threading
 import warnings
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 import pytest
 import torch
@@ -302,6 +304,35 @@ def test_a_state_entry_that_fails_on_one_rank_fails_the_load_on_every_rank(
     assert "RuntimeError: set_state_dict fails on rank 1" in second[0]["outcome"]
     assert "may hold part of step_00000001 on every rank" in second[0]["outcome"]
     assert all(r["entries"] == (0, 0, None) for r in second)  # state= put back
+
+
+class _Uncopyable:
+    """A Stateful entry whose current state cannot be deep-copied (it holds a lock)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.n = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": self.n, "lock": self.lock}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.n = state["n"]
+
+
+@pytest.mark.timeout(60)
+def test_an_entry_that_cannot_be_put_back_refuses_the_load_before_anything_is_set(
+    tmp_path: Path,
+) -> None:
+    model, opt = trained()
+    save_sharded(tmp_path, model, opt, 1, state={"step": 1, "obj": {"n": 5}})
+    target, target_opt = fresh()
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    state: dict[str, Any] = {"step": None, "obj": _Uncopyable()}
+    with pytest.raises(ShardedCheckpointError, match=r"state\['obj'\]: its current state could"):
+        load_sharded(tmp_path, target, target_opt, state=state)
+    assert state["step"] is None and state["obj"].n == 0  # "step" (set first) was put back
+    assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
 
 
 @pytest.mark.timeout(60)

@@ -213,7 +213,13 @@ def apply(
     is recorded in ``applied`` before it is changed. Raises ``RuntimeError`` naming the
     entry whose ``load_state_dict`` raised (the entries before it are already set)."""
     for name, value in values.items():
-        applied.keep(name)
+        try:
+            applied.keep(name)
+        except Exception as exc:
+            raise RuntimeError(
+                f"state[{name!r}]: its current state could not be copied (to put it back if "
+                f"the load fails): {type(exc).__name__}: {exc}"
+            ) from exc
         entry = state[name]
         obj = _unwrap(entry)
         if _is_stateful(obj):
