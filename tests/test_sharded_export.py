@@ -193,6 +193,9 @@ def test_export_refuses_a_bad_step_and_the_cli_exports(
     assert load_file(tmp_path / "f32" / SINGLE)["0.weight"].dtype == torch.float32
     with pytest.raises(ValueError, match="inside the step"):
         export_hf(step_dir, step_dir / "hf")
+    capsys.readouterr()
+    assert cli_main(["export-hf", str(step_dir), str(step_dir.parent)]) == 1  # before: raised
+    assert capsys.readouterr().out.startswith(f"REFUSED  {step_dir.parent} holds the step")
     (step_dir / "COMMITTED").unlink()
     with pytest.raises(CheckpointError, match="incomplete"):
         export_hf(step_dir, tmp_path / "never")
