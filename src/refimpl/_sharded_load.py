@@ -186,8 +186,8 @@ def _set_agreed(
         raise ShardedCheckpointError(
             step_dir,
             f"{detail}. The model and optimizer may hold part of {step_dir.name} on every "
-            "rank: rebuild them before using them or loading again (state= entries were put "
-            "back)",
+            "rank (any state= entries were put back): rebuild them before using them or "
+            "loading again",
             rank=failed[0][0],
             failures=dict(failed),
         )
