@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import refimpl._sharded_load
 import refimpl._sharded_seen
 import refimpl.sharded
 from refimpl.data import ResumableSampler
@@ -144,3 +145,75 @@ def state_round_trip(ckpt_dir: str) -> dict[str, Any]:
         loaded[kind] = {**_snapshot(fresh_state), "loaded_step": step,
                         "restored": fresh_state["rng"].restored}  # fmt: skip
     return {"saved": saved, "loaded": loaded}
+
+
+class Counter:
+    """A Stateful entry of ``state=`` holding one number."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def state_dict(self) -> dict[str, int]:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.n = state["n"]
+
+
+class RefusesOnRank1(Counter):
+    """A Counter whose load of the saved value 7 sets a wrong value and raises, on rank 1."""
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if dist.get_rank() == 1 and state["n"] == 7:
+            self.n = -1  # half-way through, as a real load_state_dict may be
+            raise ValueError("rank 1 cannot take n=7")
+        super().load_state_dict(state)
+
+
+def _outcome(ckpt_dir: str, model: Any, opt: Any, state: dict[str, Any]) -> str:
+    try:
+        return f"loaded step {load_sharded(ckpt_dir, model, opt, state=state)}"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def state_load_fails_on_one_rank(ckpt_dir: str) -> dict[str, Any]:
+    """At 2 ranks: save step 1 with ``state={"a": 5, "b": 7, "step": 1}``; then load it into a
+    fresh FSDP2 model whose entry ``b`` raises on rank 1, and again with set_state_dict failing
+    on rank 1. Returns each attempt's outcome, how far the model moved, and the entries."""
+    model = shard(tiny_model(0))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train(model, opt, range(1, 3))
+    save_sharded(ckpt_dir, model, opt, 1, state={"a": Counter(5), "b": Counter(7), "step": 1})
+    target = shard(tiny_model(99))
+    target_opt = torch.optim.Adam(target.parameters(), lr=1e-2)
+    before = copy.deepcopy(full_state(target, target_opt))  # on rank 0; {} on rank 1
+    mine = [p.to_local().detach().clone() for p in target.parameters()]  # this rank's shards
+    out: dict[str, Any] = {}
+    real = refimpl._sharded_load.set_state_dict
+
+    def fails_on_rank1(*args: Any, **kwargs: Any) -> Any:
+        if dist.get_rank() == 1:
+            raise RuntimeError("set_state_dict fails on rank 1")
+        return real(*args, **kwargs)
+
+    for attempt in ("load_state_dict", "set_state_dict"):
+        b = RefusesOnRank1(0) if attempt == "load_state_dict" else Counter(0)
+        state: dict[str, Any] = {"a": Counter(0), "b": b, "step": None}
+        if attempt == "set_state_dict":
+            refimpl._sharded_load.set_state_dict = fails_on_rank1  # type: ignore[assignment]
+        try:
+            outcome = _outcome(ckpt_dir, target, target_opt, state)
+        finally:
+            refimpl._sharded_load.set_state_dict = real  # type: ignore[assignment]
+        local = zip(target.parameters(), mine, strict=True)
+        moved = max(
+            max_abs_diff(full_state(target, target_opt), before),
+            *(float((p.to_local() - m).abs().max()) for p, m in local),
+        )
+        out[attempt] = {
+            "outcome": outcome,
+            "moved": moved,
+            "entries": (state["a"].n, state["b"].n, state["step"]),
+        }
+    return out

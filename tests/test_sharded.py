@@ -7,14 +7,21 @@ import logging
 import os
 import pickle
 import re
+import threading
 import warnings
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 import pytest
 import torch
 from _sharded_models import fresh, trained
-from _sharded_workers import RngState, state_round_trip, training_state
+from _sharded_workers import (
+    RngState,
+    state_load_fails_on_one_rank,
+    state_round_trip,
+    training_state,
+)
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -270,6 +277,62 @@ def test_state_round_trips_sync_and_async_at_the_same_and_another_world_size(
     assert state["sched"].state_dict() == saved["sched"]
     assert state["sampler"].state_dict() == saved["sampler"]  # the global position
     assert (state["step"], state["meta"]) == (3, {"run": "r1", "lrs": [0.1, 0.2]})
+
+
+@pytest.mark.timeout(150)
+def test_a_state_entry_that_fails_on_one_rank_fails_the_load_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """``b.load_state_dict`` raises on rank 1 only: every rank raises the same error naming
+    rank 1 and the entry, the model and optimizer are untouched and every state= entry holds
+    what it held before the load. set_state_dict failing on rank 1 fails every rank too."""
+    results = spawn(state_load_fails_on_one_rank, 2, str(tmp_path), timeout_s=120, pg_timeout_s=30)
+    first = results[0]["load_state_dict"]
+    # before: rank 0 "loaded step 1", rank 1 a bare "ValueError: rank 1 cannot take n=7",
+    # the model loaded on both ranks and entries a=5 (rank 1: b=-1) left set
+    assert [r["load_state_dict"]["outcome"] for r in results] == [first["outcome"]] * 2
+    assert first["outcome"].startswith("ShardedCheckpointError: "), first
+    assert (
+        "state= could not be restored (rank 1: state['b'].load_state_dict raised ValueError: "
+        "rank 1 cannot take n=7). Nothing was loaded" in first["outcome"]
+    )
+    for r in results:
+        assert r["load_state_dict"]["moved"] == 0.0  # the model and optimizer untouched
+        assert r["load_state_dict"]["entries"] == (0, 0, None)  # every entry put back
+    second = [r["set_state_dict"] for r in results]
+    assert second[0]["outcome"] == second[1]["outcome"], second  # before: rank 0 loaded
+    assert "RuntimeError: set_state_dict fails on rank 1" in second[0]["outcome"]
+    assert "may hold part of step_00000001 on every rank" in second[0]["outcome"]
+    assert all(r["entries"] == (0, 0, None) for r in second)  # state= put back
+
+
+class _Uncopyable:
+    """A Stateful entry whose current state cannot be deep-copied (it holds a lock)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.n = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": self.n, "lock": self.lock}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.n = state["n"]
+
+
+@pytest.mark.timeout(60)
+def test_an_entry_that_cannot_be_put_back_refuses_the_load_before_anything_is_set(
+    tmp_path: Path,
+) -> None:
+    model, opt = trained()
+    save_sharded(tmp_path, model, opt, 1, state={"step": 1, "obj": {"n": 5}})
+    target, target_opt = fresh()
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    state: dict[str, Any] = {"step": None, "obj": _Uncopyable()}
+    with pytest.raises(ShardedCheckpointError, match=r"state\['obj'\]: its current state could"):
+        load_sharded(tmp_path, target, target_opt, state=state)
+    assert state["step"] is None and state["obj"].n == 0  # "step" (set first) was put back
+    assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
 
 
 @pytest.mark.timeout(60)

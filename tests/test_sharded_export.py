@@ -193,6 +193,9 @@ def test_export_refuses_a_bad_step_and_the_cli_exports(
     assert load_file(tmp_path / "f32" / SINGLE)["0.weight"].dtype == torch.float32
     with pytest.raises(ValueError, match="inside the step"):
         export_hf(step_dir, step_dir / "hf")
+    capsys.readouterr()
+    assert cli_main(["export-hf", str(step_dir), str(step_dir.parent)]) == 1  # before: raised
+    assert capsys.readouterr().out.startswith(f"REFUSED  {step_dir.parent} holds the step")
     (step_dir / "COMMITTED").unlink()
     with pytest.raises(CheckpointError, match="incomplete"):
         export_hf(step_dir, tmp_path / "never")
@@ -239,3 +242,63 @@ def test_exclude_keeps_the_excluded_and_loads_the_rest(tmp_path: Path) -> None:
         load_sharded(tmp_path / "ckpt", fresh()[0], exclude=["head"])
     with pytest.raises(TypeError, match="list"):
         load_sharded(tmp_path / "ckpt", fresh()[0], exclude="2")  # type: ignore[arg-type]
+
+
+def _entries(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    "where", ["root", "dot", "above", "other-step", "link-to-root", "holds-a-root"]
+)
+def test_export_never_replaces_a_checkpoint_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """An export replaces its directory whole: over the checkpoint root, a step committed
+    while it ran would be lost although its save returned."""
+    model, opt = trained()
+    root = tmp_path / "ckpt"
+    save_sharded(root, model, opt, 1)
+    step2 = save_sharded(root, model, opt, 2)
+    (tmp_path / "elsewhere").mkdir()
+    out = {
+        "root": root,
+        "dot": Path("."),
+        "above": tmp_path,
+        "other-step": root / "step_00000001",
+        "link-to-root": tmp_path / "link",
+        "holds-a-root": tmp_path / "elsewhere",
+    }[where]
+    (tmp_path / "link").symlink_to(root, target_is_directory=True)
+    if where == "holds-a-root":
+        save_sharded(tmp_path / "elsewhere" / "run2", model, opt, 7)
+    monkeypatch.chdir(root)
+    real = export_mod._save_file
+
+    def a_save_commits_meanwhile(tensors: dict[str, torch.Tensor], path: Path) -> None:
+        save_sharded(root, model, opt, 3)  # another process's save, during the export
+        real(tensors, path)
+
+    monkeypatch.setattr(export_mod, "_save_file", a_save_commits_meanwhile)
+    before = _entries(tmp_path)
+    with pytest.raises(ValueError, match=r"holds the step|is or holds a checkpoint"):
+        export_hf(step2, out)  # before: returned, and step_00000003 was gone
+    assert _entries(tmp_path) == before  # nothing written, nothing removed
+
+
+@pytest.mark.timeout(60)
+def test_export_through_a_symlink_replaces_its_target_and_keeps_the_link(
+    tmp_path: Path,
+) -> None:
+    step_dir = _step(tmp_path)
+    real_dir = tmp_path / "models" / "mlp"
+    real_dir.mkdir(parents=True)
+    (real_dir / "config.json").write_text("{}")
+    link = tmp_path / "hf"
+    link.symlink_to(real_dir, target_is_directory=True)
+    files = export_hf(step_dir, link)
+    assert files == [link / SINGLE]
+    assert link.is_symlink() and os.readlink(link) == str(real_dir)  # before: a directory
+    assert sorted(p.name for p in real_dir.iterdir()) == ["config.json", SINGLE]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf", "models"]

@@ -19,6 +19,7 @@ from unittest import mock
 
 import pytest
 import torch
+from _sharded_craft import bytes_item_in_place_of
 from _sharded_models import fresh, trained
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
@@ -187,7 +188,7 @@ def test_build_is_refused_on_anything_but_dcp_dataclass_fields() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_a_stray_file_leaves_the_step_loadable_an_unlisted_loadable_one_does_not(
+def test_a_stray_file_leaves_the_step_loadable_an_unlisted_shard_does_not(
     tmp_path: Path,
 ) -> None:
     _model, _opt, step2 = _two_steps(tmp_path)
@@ -195,10 +196,26 @@ def test_a_stray_file_leaves_the_step_loadable_an_unlisted_loadable_one_does_not
         (step2 / stray).write_bytes(b"\0stray")
     step, skipped, diff = _load_collecting(tmp_path)  # before: step 1, "extra ['.DS_Store', ...]"
     assert (step, skipped, diff) == (2, {}, 0.0)
-    consolidate(step2, step2 / "model.pt")  # consolidate()'s output next to the shards
+    (step2 / "model.pt").write_bytes(b"\0")  # a .pt a sharded load never opens
+    step, skipped, diff = _load_collecting(tmp_path)
+    assert (step, skipped, diff) == (2, {}, 0.0)  # before: step 1, "found ['model.pt']"
+    (step2 / "__9_0.distcp").write_bytes(b"\0")  # a shard file the manifest does not list
     step, skipped, diff = _load_collecting(tmp_path)
     assert step == 1 and diff == 0.0
-    assert "found ['model.pt'], which the manifest does not list" in skipped["step_00000002"]
+    assert "found ['__9_0.distcp'], which the manifest does not list" in skipped["step_00000002"]
+
+
+@pytest.mark.timeout(60)
+def test_consolidate_refuses_an_output_inside_a_step(tmp_path: Path) -> None:
+    _model, _opt, step2 = _two_steps(tmp_path)
+    (tmp_path / "link").symlink_to(step2, target_is_directory=True)
+    for out in (step2 / "model.pt", tmp_path / "link" / "model.pt", step2 / "sub" / "m.pt"):
+        with pytest.raises(ValueError, match="is inside the step"):
+            consolidate(step2, out)  # before: wrote into the committed step
+    with pytest.raises(ValueError, match="inside the checkpoint step"):
+        consolidate(step2, tmp_path / "step_00000001" / "model.pt")  # another step
+    assert sorted(p.name for p in tmp_path.rglob("*.pt")) == []
+    assert consolidate(step2, tmp_path / "model.pt") == tmp_path / "model.pt"  # beside: fine
 
 
 @pytest.mark.timeout(60)
@@ -368,3 +385,33 @@ def test_only_the_file_rank_0_hashed_unchanged_on_this_machine_is_not_hashed_aga
             shard_file.write_bytes(shard_file.read_bytes())  # same bytes, a new ctime
             assert load_sharded(tmp_path, *fresh()) == 1
     assert [r.hashed for r in readers] == [["__0_0.distcp"], [], ["__0_0.distcp"]]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("key", ["model.0.weight", "optim.state.0.weight.exp_avg"])
+def test_a_non_tensor_item_in_place_of_a_tensor_is_skipped_with_a_reason(
+    tmp_path: Path, key: str
+) -> None:
+    _model, _opt, step2 = _two_steps(tmp_path)
+    bytes_item_in_place_of(step2, key, "not a weight")
+    target, target_opt = fresh()
+    before = full_state(target, target_opt)
+    step, skipped, diff = _load_collecting(tmp_path)  # before: raised, no fallback
+    assert step == 1 and diff == 0.0
+    assert f"{key!r} is a non-tensor item in the step, a Tensor here" in skipped["step_00000002"]
+    with pytest.raises(ShardedCheckpointError, match="non-tensor item in the step") as info:
+        load_sharded(step2, target, target_opt)  # that one step: refused, nothing loaded
+    assert info.value.unsafe
+    assert max_abs_diff(full_state(target, target_opt), before) == 0.0
+
+
+@pytest.mark.timeout(60)
+def test_a_float_learning_rate_still_loads_into_a_tensor_one(tmp_path: Path) -> None:
+    """The kind check leaves the optimizer's hyper-parameters to DCP and torch: a rate saved
+    as a float loads where the optimizer holds a tensor rate, as it did before the check."""
+    model, opt = trained()
+    save_sharded(tmp_path, model, opt, 1)
+    target = fresh()[0]
+    target_opt = torch.optim.Adam(target.parameters(), lr=torch.tensor(0.5))
+    assert load_sharded(tmp_path, target, target_opt) == 1
+    assert target_opt.param_groups[0]["lr"] == 1e-2

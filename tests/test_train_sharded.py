@@ -16,10 +16,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from _sharded_craft import bytes_item_in_place_of, drop_item
 
 from refimpl.demos.chaos_runs import chaos_train
 from refimpl.demos.train import TrainRun, attempts, parse_log, run_train, same_weights
-from refimpl.launch import spawn
+from refimpl.launch import WorkerError, spawn
 from refimpl.sharded import verify_sharded
 from refimpl.train import main, parse_args
 
@@ -178,3 +179,29 @@ def test_kill_test_of_sharded_async_save_under_torchrun_is_bit_identical(tmp_pat
     for row in rows:
         assert row.restarts >= 1 and row.resume is not None, row
         assert row.equal, row
+
+
+@pytest.mark.timeout(170)
+def test_a_crafted_step_is_skipped_with_its_reason_and_a_refused_one_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A non-tensor item in place of a weight in the newest step: the run resumes from the
+    older step, saying why. A newest step that is refused outright (its state= lacks the
+    sampler): the run stops, and its message carries the reason."""
+    args = ["--save-every", "4", "--samples", "64", "--seed", "3", "--sharded",
+            "--ckpt-dir", str(tmp_path / "ckpt")]  # fmt: skip
+    assert spawn(main, 2, ["--steps", "8", *args], timeout_s=90) == [0, 0]
+    bytes_item_in_place_of(tmp_path / "ckpt" / "step_00000008", "model.0.weight", "x")
+    capsys.readouterr()
+    # before: RuntimeError "... none of them loads: (no reason reported)"
+    assert spawn(main, 2, ["--steps", "12", *args], timeout_s=90, rank_output="show") == [0, 0]
+    out = capsys.readouterr().out
+    assert "[rank0] skipped step_00000008: " in out
+    assert "'model.0.weight' is a non-tensor item in the step, a DTensor here" in out
+    assert "[rank0] resumed from step_4" in out
+    drop_item(tmp_path / "ckpt" / "step_00000012", "state.sampler")
+    with pytest.raises(WorkerError) as info:
+        spawn(main, 2, ["--steps", "16", *args], timeout_s=90)
+    text = str(info.value)
+    assert "none of them loads: step_00000012: " in text and "(no reason reported)" not in text
+    assert "state= does not fit this step" in text and "no entry 'sampler'" in text

@@ -188,6 +188,9 @@ def _cmd_export_hf(step_dir: Path, out_dir: Path, dtype: str, max_size: str | No
     except CheckpointError as exc:
         print(f"BAD  {exc.path}: {exc.reason}")
         return 1
+    except ValueError as exc:  # an out_dir that holds checkpoints, a size that is not one
+        print(f"REFUSED  {exc}")
+        return 1
     for file in files:
         print(f"{file}  {_human(file.stat().st_size)}")
     return 0

@@ -19,7 +19,7 @@ import torch
 
 from refimpl import __version__
 from refimpl._dcp_metadata import SHARD_NAME_RE, UnsafeMetadata, check_metadata
-from refimpl._manifest import MAX_MANIFEST_BYTES, loadable_name
+from refimpl._manifest import MAX_MANIFEST_BYTES
 from refimpl._regular_file import is_regular, open_regular, read_regular
 from refimpl._sharded_seen import Seen, after_hashing, before_hashing
 from refimpl.atomic import (
@@ -35,6 +35,7 @@ FORMAT = "refimpl.sharded/1"
 METADATA = ".metadata"
 _HEX_RE = re.compile(r"[0-9a-f]{32}")
 _CHUNK = 1 << 20
+_READ_BY_DCP = (".distcp", ".metadata")  # the only files a sharded load opens
 
 
 def own_shards(directory: Path, rank: int) -> list[str]:
@@ -144,8 +145,9 @@ def verify_step(step_dir: Path, seen: dict[str, Seen] | None = None) -> dict[str
     """Check a sharded step without unpickling anything DCP-made; return its manifest.
 
     Marker, manifest (format, plain DCP file names only), every listed file present and no
-    unlisted file that a loader would read (``*.distcp``, ``*.metadata``, ``*.pt``: other
-    strays such as ``.DS_Store`` are ignored), each file's size and xxh3-128 digest, and
+    unlisted file that a sharded load would read (``*.distcp``, ``*.metadata``: other strays
+    such as ``.DS_Store`` or a ``*.pt`` are never opened, so ignored), each file's size and
+    xxh3-128 digest, and
     finally ``.metadata`` through the allowlist unpickler (`check_metadata`), which also
     checks that every item points inside a listed shard. Raises `CheckpointError` naming the
     step or file and the first problem; any other error a crafted step provokes becomes one.
@@ -173,7 +175,7 @@ def _verify_step(step_dir: Path, seen: dict[str, Seen]) -> dict[str, Any]:
     except OSError as exc:
         raise CheckpointError(step_dir, f"cannot be listed ({exc})") from exc
     missing = sorted(set(expected) - present)
-    unlisted = sorted(n for n in present - set(expected) if loadable_name(n))
+    unlisted = sorted(n for n in present - set(expected) if n.endswith(_READ_BY_DCP))
     if missing or unlisted:
         found = f"found {unlisted}, which the manifest does not list" if unlisted else ""
         gone = f"missing {missing}, which the manifest lists" if missing else ""

@@ -26,8 +26,8 @@ from refimpl._publish import publish_dir
 from refimpl._sharded_commit import verify_step
 from refimpl._sharded_errors import LOAD_ADVICE, dcp_errors
 from refimpl._sharded_read import WeightsOnlyEmptyPlanner
-from refimpl.atomic import _fsync_tree, fsync_dir, remove_stale_temps, temp_path
-from refimpl.checkpoint import CheckpointError
+from refimpl.atomic import COMMIT_MARKER, _fsync_tree, fsync_dir, remove_stale_temps, temp_path
+from refimpl.checkpoint import MANIFEST, CheckpointError
 from refimpl.state import _PREFIXES, _inference_tensor
 
 logger = logging.getLogger("refimpl.sharded")
@@ -38,6 +38,8 @@ _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 # Wrapper segments that can sit anywhere in a name (FSDP1, activation checkpointing, a
 # compiled submodule); DDP's ``module.`` only ever comes first (refimpl.state._PREFIXES).
 _WRAPPERS = {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"}
+# A step directory, or the temporary or aside name a save gives one while it writes it.
+_STEP_LIKE = re.compile(r"step_[0-9]+|\.step_[0-9]+\..*", re.ASCII)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
 
@@ -97,6 +99,55 @@ def split(tensors: dict[str, torch.Tensor], max_bytes: int | None) -> list[list[
     return groups
 
 
+def checkpoint_under(directory: Path) -> Path | None:
+    """The first step directory (or a save's temporary of one), manifest or commit marker at
+    or under ``directory``, links not followed; None when there is none."""
+    if _STEP_LIKE.fullmatch(directory.name):
+        return directory
+    for dirpath, dirnames, filenames in os.walk(directory):
+        for name in sorted(dirnames) + sorted(filenames):
+            if _STEP_LIKE.fullmatch(name) or name in (MANIFEST, COMMIT_MARKER):
+                return Path(dirpath) / name
+    return None
+
+
+def export_target(step_dir: Path, out_dir: Path) -> Path:
+    """Where `export_hf` may put ``out_dir``: itself, or the directory a symlink names (the
+    link is kept). Raises ``ValueError`` when that is inside ``step_dir``, or is or holds a
+    checkpoint: an export replaces its whole directory, so a step saved there meanwhile
+    would be lost."""
+    target, step = Path(os.path.realpath(out_dir)), Path(os.path.realpath(step_dir))
+    if target.is_relative_to(step):
+        raise ValueError(f"{out_dir} is inside the step {step_dir}: export somewhere else")
+    if step.is_relative_to(target):
+        raise ValueError(
+            f"{out_dir} holds the step {step_dir} (it is its checkpoint directory, or above "
+            "it): an export replaces its directory whole, so steps saved there meanwhile would "
+            "be lost. Export to a directory of its own, outside the checkpoint directory"
+        )
+    found = checkpoint_under(target) if target.is_dir() or not target.exists() else None
+    if found is not None:
+        raise ValueError(
+            f"{out_dir} is or holds a checkpoint ({found}): an export replaces its directory "
+            "whole, so that checkpoint would be lost. Export to a directory of its own"
+        )
+    return target
+
+
+def check_output_file(step_dir: Path, out_path: Path) -> None:
+    """Raise ``ValueError`` when ``out_path`` (followed if a link) would be written inside
+    ``step_dir`` or inside any other step directory: a committed step holds what its
+    manifest lists, and nothing is written into one after its commit."""
+    target = Path(os.path.realpath(out_path))
+    if target.is_relative_to(Path(os.path.realpath(step_dir))):
+        raise ValueError(f"{out_path} is inside the step {step_dir}: write it somewhere else")
+    for parent in target.parents:
+        if _STEP_LIKE.fullmatch(parent.name) or (parent / COMMIT_MARKER).exists():
+            raise ValueError(
+                f"{out_path} is inside the checkpoint step {parent}: write it somewhere else"
+            )
+
+
 def _is_export_file(name: str) -> bool:
     return name in (SINGLE, INDEX) or _SHARD_RE.fullmatch(name) is not None
 
@@ -144,6 +195,9 @@ def write_export(
             }
             (tmp / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         _fsync_tree(tmp)
+        found = checkpoint_under(out_dir) if out_dir.is_dir() else None
+        if found is not None:  # saved there while we exported: swapping would lose it
+            raise ValueError(f"{out_dir} now holds a checkpoint ({found}): export elsewhere")
         publish_dir(tmp, out_dir)  # one rename, or an atomic exchange with the old export
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -184,6 +238,11 @@ def export_hf(
     (or none) and a temporary that the next export removes. An existing ``out_dir`` is
     replaced by an atomic exchange; files in it that are not an export's (``config.json``,
     a tokenizer) are copied into the new one first. Returns the files written, index last.
+    A symlink ``out_dir`` is followed: its target directory is replaced, the link kept.
+
+    Raises ``ValueError`` when ``out_dir`` is inside the step, or is (or holds) a checkpoint
+    directory or any step, the step's own checkpoint directory included (``"."`` in it):
+    replacing it would lose every step saved there during the export.
 
     Example::
 
@@ -196,8 +255,7 @@ def export_hf(
     limit = parse_size(max_shard_bytes) if isinstance(max_shard_bytes, str) else max_shard_bytes
     if limit is not None and (type(limit) is not int or limit < 1):
         raise ValueError(f"max_shard_bytes must be >= 1 byte or None, got {max_shard_bytes!r}")
-    if out_dir.resolve().is_relative_to(step_dir.resolve()):
-        raise ValueError(f"{out_dir} is inside the step {step_dir}: export somewhere else")
+    target = export_target(step_dir, out_dir)
     value = read_full(step_dir, key)
     tensors: dict[str, torch.Tensor] = {}
     skipped = []
@@ -214,4 +272,4 @@ def export_hf(
         logger.warning(
             "export_hf: non-tensor item(s) %s not exported (safetensors holds tensors)", skipped
         )
-    return write_export(tensors, out_dir, limit)
+    return [out_dir / f.relative_to(target) for f in write_export(tensors, target, limit)]

@@ -1,8 +1,10 @@
 """Loading one verified step: the part of `refimpl.sharded.load_sharded` after rank 0 chose it.
 
-Every rank checks ``.metadata`` (the bytes rank 0 verified) and the model's keys, DCP loads
-weights-only through a `VerifyingReader`, the ``state=`` entries are decoded (weights-only,
-every rank agreeing before anything is set), and only then is anything put in place.
+Every rank checks ``.metadata`` (the bytes rank 0 verified) and the model's keys; DCP reads the
+``state=`` entries' bytes first, weights-only through a `VerifyingReader`; they are decoded
+and put in place on every rank or on none (a ``load_state_dict`` that raises on one rank puts
+every rank's entries back and raises the same error everywhere); then DCP reads the model and
+optimizer in place, and a failure there puts the ``state=`` entries back too.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -28,7 +31,13 @@ from refimpl._dcp_metadata import UnsafeMetadata, check_metadata
 from refimpl._sharded_commit import METADATA, Expected
 from refimpl._sharded_errors import LOAD_ADVICE, ShardedCheckpointError, dcp_errors
 from refimpl._sharded_group import Group, quiet_no_dist
-from refimpl._sharded_read import VerifyingReader, WeightsOnlyLoadPlanner, _few, check_keys
+from refimpl._sharded_read import (
+    VerifyingReader,
+    WeightsOnlyLoadPlanner,
+    _few,
+    check_keys,
+    check_kinds,
+)
 from refimpl._sharded_seen import Seen
 
 logger = logging.getLogger("refimpl.sharded")
@@ -93,6 +102,97 @@ def _merge(target: dict[str, Any], planned: dict[str, Any]) -> None:
             target[key] = value
 
 
+def _load_into(
+    group: Group,
+    step_dir: Path,
+    expected: Expected,
+    metadata: Metadata,
+    seen: Mapping[str, Seen] | None,
+    planned: dict[str, Any],
+) -> VerifyingReader:
+    """``dcp.load`` of ``planned`` (in place) through a `VerifyingReader`; returns it."""
+    reader = VerifyingReader(step_dir, expected, metadata, seen)
+    what = f"load of {step_dir.name}"
+    with dcp_errors(step_dir, what, group.rank, LOAD_ADVICE), quiet_no_dist(group):
+        dcp_load(
+            planned, storage_reader=reader, planner=WeightsOnlyLoadPlanner(), **group.dcp_kwargs()
+        )
+    return reader
+
+
+def _failed(group: Group, mine: str | None) -> list[tuple[int, str]]:
+    """Every rank's ``(rank, why)`` that is not None (one collective)."""
+    return [(rank, why) for rank, why in enumerate(group.gather(mine)) if why]
+
+
+def _apply_agreed(
+    group: Group,
+    step_dir: Path,
+    state: Mapping[str, Any],
+    values: Mapping[str, Any],
+    skipped: list[str],
+    applied: _sharded_state.Applied,
+) -> None:
+    """Put the ``state=`` values in place on every rank, or on none: when any rank's
+    ``load_state_dict`` raises, every rank puts its entries back and raises one error."""
+    try:
+        _sharded_state.apply(state, values, skipped, applied)
+        mine = None
+    except Exception as exc:
+        mine = str(exc)
+    except BaseException:
+        applied.undo()
+        raise
+    failed = _failed(group, mine)
+    if not failed:
+        return
+    refused = applied.undo()
+    detail = "; ".join(f"rank {rank}: {why}" for rank, why in failed)
+    message = (
+        f"state= could not be restored ({detail}). Nothing was loaded: every rank put back the "
+        "state= entries it had set, and the model and optimizer were not touched. Check that "
+        "the objects in state= are built as they were when this step was saved"
+    )
+    if refused:
+        message += f" (on rank {group.rank}, {', '.join(refused)} could not be put back)"
+    raise ShardedCheckpointError(step_dir, message, rank=failed[0][0], failures=dict(failed))
+
+
+def _set_agreed(
+    group: Group,
+    step_dir: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    target: dict[str, Any],
+) -> None:
+    """``set_state_dict`` on every rank; when it raises on any, every rank raises."""
+    try:
+        with dcp_errors(step_dir, f"load of {step_dir.name}", group.rank, LOAD_ADVICE):
+            if optimizer is None:
+                set_model_state_dict(model, target["model"])
+            else:
+                set_state_dict(
+                    model,
+                    optimizer,
+                    model_state_dict=target["model"],
+                    optim_state_dict=target["optim"],
+                )
+        mine = None
+    except ShardedCheckpointError as exc:
+        mine = exc.reason
+    failed = _failed(group, mine)
+    if failed:
+        detail = "; ".join(why for _rank, why in failed)
+        raise ShardedCheckpointError(
+            step_dir,
+            f"{detail}. The model and optimizer may hold part of {step_dir.name} on every "
+            "rank (any state= entries were put back): rebuild them before using them or "
+            "loading again",
+            rank=failed[0][0],
+            failures=dict(failed),
+        )
+
+
 def load_step(
     group: Group,
     step_dir: Path,
@@ -108,7 +208,11 @@ def load_step(
     anything was loaded raises `ShardedCheckpointError` with ``unsafe`` set (the caller falls
     back); a step that does not fit raises one without. ``exclude``d model entries (and
     their optimizer state) are not planned, so DCP never reads them, and keep their values.
-    ``seen``: rank 0's records of the files it hashed (`refimpl._sharded_seen`)."""
+    ``seen``: rank 0's records of the files it hashed (`refimpl._sharded_seen`).
+
+    The ``state=`` entries are read (a ``dcp.load`` of their bytes only), decoded and put in
+    place first, on every rank or on none (`_apply_agreed`); then DCP reads the model and
+    optimizer, in place. A failure there puts the ``state=`` entries back on every rank."""
     sizes = {name: size for name, (size, _d) in expected.items() if name != METADATA}
     metadata = None
     try:
@@ -118,8 +222,7 @@ def load_step(
         mine = f"rank {group.rank}: {exc}"
     _refuse(group, step_dir / METADATA, mine, "refused before DCP opened it", unsafe=True)
     assert metadata is not None  # every rank raised otherwise
-    what = f"load of {step_dir.name}"
-    with dcp_errors(step_dir, what, group.rank, LOAD_ADVICE):
+    with dcp_errors(step_dir, f"load of {step_dir.name}", group.rank, LOAD_ADVICE):
         if optimizer is None:
             target: dict[str, Any] = {"model": get_model_state_dict(model)}
         else:
@@ -129,7 +232,10 @@ def load_step(
     misfit = check_keys(metadata, target["model"], excluded)  # the same on every rank: all raise
     if misfit is not None:
         raise ShardedCheckpointError(step_dir, f"{misfit}. {LOAD_ADVICE}", rank=group.rank)
+    planned = _without(target, excluded)
+    wanted: dict[str, Any] = {}
     skipped: list[str] = []
+    applied = _sharded_state.Applied(state or {})
     if state:
         same_world = saved_world in (0, group.size)
         saved = set(metadata.state_dict_metadata)
@@ -148,39 +254,31 @@ def load_step(
             "state= does not fit this step: pass the names (and kinds) it was saved with",
             unsafe=False,
         )
-        target.update(wanted)
-    planned = _without(target, excluded)
-    with dcp_errors(step_dir, what, group.rank, LOAD_ADVICE), quiet_no_dist(group):
-        dcp_load(
-            planned,
-            storage_reader=VerifyingReader(step_dir, expected, metadata, seen),
-            planner=WeightsOnlyLoadPlanner(),
-            **group.dcp_kwargs(),
-        )
-    _merge(target, planned)
-    values: dict[str, Any] = {}
+    kinds = check_kinds(metadata, {**planned, **wanted})
+    _refuse(group, step_dir, kinds and f"rank {group.rank}: {kinds}", "refused", unsafe=True)
     if state:
-        loaded = {k: v for k, v in target.items() if k not in ("model", "optim")}
+        reader = _load_into(group, step_dir, expected, metadata, seen, wanted)
+        seen = {**(seen or {}), **reader.records}  # what this rank just hashed: not again
+        values: dict[str, Any] = {}
         try:
-            values, mine = _sharded_state.decode(loaded), None
+            values, mine = _sharded_state.decode(wanted), None
         except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as exc:
             mine = f"rank {group.rank}: a state entry is not weights-only ({exc})"
         _refuse(group, step_dir, mine, "refused before anything was set", unsafe=True)
-    with dcp_errors(step_dir, what, group.rank, LOAD_ADVICE):
-        if optimizer is None:
-            set_model_state_dict(model, target["model"])
-        else:
-            set_state_dict(
-                model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"]
-            )
-    if state:
-        _sharded_state.apply(state, values, skipped)
-        if skipped and group.rank == 0:
-            logger.warning(
-                "load_sharded: %s was saved at %d ranks and is loaded at %d: per-rank state %s "
-                "not restored (each object keeps its current state)",
-                step_dir.name,
-                saved_world,
-                group.size,
-                skipped,
-            )
+        _apply_agreed(group, step_dir, state, values, skipped, applied)
+    try:
+        _load_into(group, step_dir, expected, metadata, seen, planned)
+        _merge(target, planned)
+        _set_agreed(group, step_dir, model, optimizer, target)
+    except BaseException:
+        applied.undo()
+        raise
+    if skipped and group.rank == 0:
+        logger.warning(
+            "load_sharded: %s was saved at %d ranks and is loaded at %d: per-rank state %s "
+            "not restored (each object keeps its current state)",
+            step_dir.name,
+            saved_world,
+            group.size,
+            skipped,
+        )

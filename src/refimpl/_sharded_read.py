@@ -29,13 +29,13 @@ from torch.distributed.checkpoint.default_planner import (
     _EmptyStateDictLoadPlanner,
 )
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from refimpl._regular_file import open_regular
 from refimpl._sharded_ranges import read_ranges
-from refimpl._sharded_seen import Seen, unchanged
+from refimpl._sharded_seen import Seen, after_hashing, before_hashing, unchanged
 from refimpl.atomic import DIGESTS
 from refimpl.checkpoint import DIGEST
 
@@ -106,6 +106,9 @@ class VerifyingReader(FileSystemReader):
         self._seen = dict(seen or {})
         self.hashed: list[str] = []
         """The files this rank hashed itself (the others: unchanged since rank 0 did)."""
+        self.records: dict[str, Seen] = {}
+        """What this rank saw of each file it hashed (`refimpl._sharded_seen`), so that a
+        second load of the same step in this process need not hash it again."""
         self._metadata = metadata
         self._opened: dict[str, IO[bytes]] = {}
         self.fs = _VerifiedFiles(self._opened)
@@ -138,6 +141,7 @@ class VerifyingReader(FileSystemReader):
             if unchanged(f.fileno(), seen) and os.fstat(f.fileno()).st_size == size:
                 return f  # the very file rank 0 just hashed on this machine, not changed since
             self.hashed.append(name)
+            record = before_hashing(f.fileno())
             hasher = DIGESTS[DIGEST]()
             got = 0
             while chunk := f.read(_CHUNK):
@@ -148,6 +152,9 @@ class VerifyingReader(FileSystemReader):
                     f"{name} has {got} bytes with {DIGEST} {hasher.hexdigest()} on this rank; "
                     f"the manifest rank 0 verified says {size} bytes, {digest}"
                 )
+            record = after_hashing(f.fileno(), record)
+            if record is not None:
+                self.records[name] = record
         except BaseException:
             f.close()
             raise
@@ -209,6 +216,30 @@ def check_keys(
     if missing:
         parts.append(f"key(s) of the model missing from the checkpoint {_few(missing)}")
     return "does not match the model: " + "; ".join(parts)
+
+
+def check_kinds(metadata: Metadata, planned: Mapping[str, Any]) -> str | None:
+    """Why an item the load would read is a tensor in the step and not in ``planned`` (the
+    state dict DCP loads into), or the other way round, or None.
+
+    A step built by this model's save has each item as the kind the model holds; another kind
+    (a non-tensor item where the model has a weight) is a crafted or foreign step, which DCP
+    would load, putting the item where the tensor was, and ``set_state_dict`` refuse. The
+    optimizer's hyper-parameters (``optim.param_groups``) are left out: a learning rate saved
+    as a float loads into an optimizer whose rate is a tensor, and the other way round DCP
+    refuses on its own.
+    """
+    flat, _mappings = flatten_state_dict(dict(planned))
+    wrong = []
+    for key, value in flat.items():
+        saved = metadata.state_dict_metadata.get(key)
+        if saved is None or key.startswith("optim.param_groups."):
+            continue
+        tensor_saved = not isinstance(saved, BytesStorageMetadata)
+        if tensor_saved != isinstance(value, torch.Tensor):
+            kind = "a tensor" if tensor_saved else "a non-tensor item"
+            wrong.append(f"{key!r} is {kind} in the step, a {type(value).__name__} here")
+    return f"items of another kind than this run's: {_few(wrong)}" if wrong else None
 
 
 def _few(keys: list[str], limit: int = 8) -> str:

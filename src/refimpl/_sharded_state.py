@@ -21,6 +21,7 @@ commit.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import pickle
@@ -167,14 +168,67 @@ def decode(loaded: Mapping[str, Any]) -> dict[str, Any]:
     return values
 
 
-def apply(state: Mapping[str, Any], values: Mapping[str, Any], skipped: list[str]) -> None:
+class Applied:
+    """The ``state=`` entries `apply` changed on this rank and what each held before, so that
+    a load that fails on any rank can put every entry back (`undo`)."""
+
+    def __init__(self, state: Mapping[str, Any]) -> None:
+        self.state = state
+        self.before: list[tuple[str, Any, bool | None]] = []  # (name, previous, restored)
+
+    def keep(self, name: str) -> None:
+        """Record what entry ``name`` holds now: its state_dict (copied) or its value."""
+        entry = self.state[name]
+        obj = _unwrap(entry)
+        previous = copy.deepcopy(obj.state_dict()) if _is_stateful(obj) else obj
+        restored = entry.restored if isinstance(entry, PerRank) else None
+        self.before.append((name, previous, restored))
+
+    def undo(self) -> list[str]:
+        """Put every recorded entry back, newest first; return those that refused."""
+        refused = []
+        for name, previous, restored in reversed(self.before):
+            entry = self.state[name]
+            obj = _unwrap(entry)
+            try:
+                if _is_stateful(obj):
+                    obj.load_state_dict(previous)
+                elif isinstance(entry, PerRank):
+                    entry.obj = previous
+                else:
+                    self.state[name] = previous  # type: ignore[index]  # check_mapping did
+            except Exception as exc:  # reported: the caller's error says to rebuild it
+                refused.append(f"state[{name!r}] ({type(exc).__name__}: {exc})")
+            if isinstance(entry, PerRank):
+                entry.restored = restored
+        self.before.clear()
+        return refused
+
+
+def apply(
+    state: Mapping[str, Any], values: Mapping[str, Any], skipped: list[str], applied: Applied
+) -> None:
     """Put the loaded ``values`` in place: ``load_state_dict`` for stateful objects, the
-    mapping (or the `PerRank` wrapper) for plain values; mark `PerRank` entries."""
+    mapping (or the `PerRank` wrapper) for plain values; mark `PerRank` entries. Each entry
+    is recorded in ``applied`` before it is changed. Raises ``RuntimeError`` naming the
+    entry whose ``load_state_dict`` raised (the entries before it are already set)."""
     for name, value in values.items():
+        try:
+            applied.keep(name)
+        except Exception as exc:
+            raise RuntimeError(
+                f"state[{name!r}]: its current state could not be copied (to put it back if "
+                f"the load fails): {type(exc).__name__}: {exc}"
+            ) from exc
         entry = state[name]
         obj = _unwrap(entry)
         if _is_stateful(obj):
-            obj.load_state_dict(value)
+            try:
+                obj.load_state_dict(value)
+            except Exception as exc:
+                raise RuntimeError(
+                    f"state[{name!r}].load_state_dict raised {type(exc).__name__}: {exc}"
+                ) from exc
         elif isinstance(entry, PerRank):
             entry.obj = value
         else:
@@ -182,6 +236,7 @@ def apply(state: Mapping[str, Any], values: Mapping[str, Any], skipped: list[str
         if isinstance(entry, PerRank):
             entry.restored = True
     for name in skipped:
+        applied.keep(name)
         state[name].restored = False
 
 

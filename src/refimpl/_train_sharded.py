@@ -86,16 +86,18 @@ def load(
 ) -> int:
     """Collective: load the newest good step at this world size, less ``--no-restore``;
     return it (0 without one; each step skipped goes to ``on_skip``). Rank 0 picks the step
-    for everyone; DCP reshards. When committed steps exist and none loads, 0 too: the caller
-    (`refimpl._train_resume.refuse_fresh_start`) then stops, naming the reason or the flag."""
+    for everyone; DCP reshards. When committed steps exist and none loads, 0 too, the load's
+    error passed to ``on_skip``: the caller (`refimpl._train_resume.refuse_fresh_start`) then
+    stops, naming the reason or the flag."""
     Path(args.ckpt_dir).mkdir(parents=True, exist_ok=True)  # a new run's root: a fresh start
     state: dict[str, Any] = {"step": None, "sampler": None, "scheduler": sched}
     optimizer = None if "optimizer" in args.no_restore else opt
     try:
         step = load_sharded(args.ckpt_dir, model, optimizer, state=state, on_skip=on_skip)
-    except ShardedCheckpointError:
+    except ShardedCheckpointError as err:
         if refuse_fresh_start(args.ckpt_dir, True, []) is None:
             raise
+        on_skip(err.path, str(err))  # the reason the caller's refusal names
         return 0
     if step is None:
         return 0

@@ -44,7 +44,7 @@ from refimpl._digested_writer import DigestedWriter
 from refimpl._sharded_async import AsyncSaveHandle, AsyncSaver, default_saver
 from refimpl._sharded_commit import verify_step
 from refimpl._sharded_errors import ShardedCheckpointError, dcp_errors
-from refimpl._sharded_export import export_hf, read_full
+from refimpl._sharded_export import check_output_file, export_hf, read_full
 from refimpl._sharded_group import Group, commit_step, discard, prepare_step, quiet_no_dist
 from refimpl._sharded_inspect import inspect_sharded
 from refimpl._sharded_load import load_step
@@ -206,7 +206,8 @@ def load_sharded(
     rank 0's machine, the very file rank 0 just hashed, unchanged since
     (`refimpl._sharded_seen`): a file that changed after rank 0's check, or differs on that
     rank's node, skips the step before anything is loaded. ``dcp.load`` loads non-tensor
-    items weights-only (one that is not is refused, and the next older step tried), each
+    items weights-only (one that is not is refused, and the next older step tried, as is a
+    step whose item is another kind than the model's: a non-tensor item for a weight), each
     tensor from only the bytes of the rows this rank holds (`refimpl._sharded_ranges`);
     ``set_state_dict`` puts the result in place. The world size may differ from the one that
     saved: DCP reshards.
@@ -222,7 +223,10 @@ def load_sharded(
     back into the mapping (``state[name] = saved``). `PerRank` entries are restored on the
     same rank when the world size equals the saving one (the manifest's ``world_size``); at
     another world size they are left as they are, their ``restored`` is False and a warning
-    names them. A name the step does not have, or has as the other kind, raises.
+    names them. A name the step does not have, or has as the other kind, raises. The entries
+    are restored before the model, on every rank or on none: when a ``load_state_dict``
+    raises on any rank, every rank puts back the entries it had set and raises the same
+    `ShardedCheckpointError` naming the rank and the entry, the model and optimizer untouched.
 
     Fine-tuning from a step: without ``optimizer`` and ``state`` only the model's weights
     are read (the step's optimizer and state entries are not planned, so DCP reads none of
@@ -286,8 +290,11 @@ def consolidate(
     is written with `refimpl.atomic.atomic_save`, so a crash leaves the old file or the new
     one. The result loads with ``refimpl.checkpoint.safe_load`` and, for ``key="model"``,
     ``model.load_state_dict`` on an unwrapped model. Returns ``out_path``. `export_hf`
-    writes the model as Hugging Face safetensors instead.
+    writes the model as Hugging Face safetensors instead. An ``out_path`` inside the step, or
+    inside any other step directory, raises ``ValueError`` before anything is read (a step
+    must hold only what its manifest lists).
     """
+    check_output_file(Path(step_dir), Path(out_path))
     value = read_full(Path(step_dir), key)
     if dtype is not None:
         value = {
