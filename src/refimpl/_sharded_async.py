@@ -15,10 +15,12 @@ ours:
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
+import contextlib
+import operator
 import os
 import sys
+import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -30,11 +32,13 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import async_save
+from torch.distributed.constants import default_pg_timeout
 from torch.distributed.tensor import DTensor
 
+from refimpl._exit_hooks import at_exit
 from refimpl._group_timeout import group_timeout
 from refimpl._low_priority import lower_thread_priority
-from refimpl._paced_writer import PacedWriter, check_cpu_share
+from refimpl._paced_writer import PacedWriter, check_cpu_share, stop_pacing
 from refimpl._sharded_errors import dcp_errors
 from refimpl._sharded_group import Group, commit_step, discard, prepare_step
 from refimpl._sharded_state import pack_checked
@@ -81,7 +85,8 @@ class AsyncSaveHandle:
         self.staged_bytes = staged_bytes
         self._future = future
         self.error_seen = False  # its error reached the caller once: the saver will not re-raise
-        _UNWAITED.add(self)  # until someone waits for it: see _warn_unwaited_at_exit
+        self._exit_wait_s = 60.0  # the saver's collective timeout: the longest exit waits for it
+        _UNWAITED.add(self)  # until someone waits for it: see _finish_unwaited_at_exit
 
     def done(self) -> bool:
         """Whether the save has finished (committed or failed)."""
@@ -115,13 +120,27 @@ class AsyncSaveHandle:
 _UNWAITED: set[AsyncSaveHandle] = set()
 
 
-@atexit.register
-def _warn_unwaited_at_exit() -> None:
-    """Say so when a process exits with an async save nobody waited for. By now Python has
-    joined the saver's worker thread (concurrent.futures joins its threads before atexit
-    handlers run), so each save has either committed or failed; without this, a failure
-    would vanish with the process and the next start would resume from an older step."""
-    for handle in sorted(_UNWAITED, key=lambda h: h.step):
+@at_exit
+def _finish_unwaited_at_exit(final: bool) -> None:
+    """Say so when a process exits with an async save nobody waited for, once it has committed
+    or failed: without this, a failure would vanish with the process and the next start would
+    resume from an older step. Runs before Python joins the saver's threads
+    (`refimpl._exit_hooks`): pacing is stopped, so the write finishes at full speed, and the
+    wait is bounded by the saver's collective timeout. A save still running then is lost; with
+    ``final``, the process then exits with status 1 at once rather than wait for it forever."""
+    handles = sorted(_UNWAITED, key=lambda h: h.step)
+    _UNWAITED.clear()
+    if not handles:
+        return
+    stop_pacing()
+    deadline = time.monotonic() + max(h._exit_wait_s for h in handles)
+    for handle in handles:
+        remaining = max(0.0, deadline - time.monotonic())
+        with contextlib.suppress(
+            concurrent.futures.TimeoutError, concurrent.futures.CancelledError
+        ):
+            handle._future.exception(timeout=remaining)  # its error, if any, is in _status
+    for handle in handles:
         print(
             f"refimpl warning: the async save of step {handle.step} to {handle.path} was never "
             f"waited for; at exit it {handle._status()}. Call handle.result() or "
@@ -129,7 +148,27 @@ def _warn_unwaited_at_exit() -> None:
             file=sys.stderr,
             flush=True,
         )
-    _UNWAITED.clear()
+    running = [h for h in handles if not h.done()]
+    if running and final:
+        waited = max(h._exit_wait_s for h in running)
+        print(
+            f"refimpl error: exiting with status 1 now instead of waiting for the async save "
+            f"of step {running[0].step}, still running {waited:g} s after the process began to "
+            "exit (its collective timeout): a save that never finishes would keep the process "
+            "alive forever.",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.stdout.flush()
+        os._exit(1)
+
+
+def _as_int(value: Any) -> int | None:
+    """``value`` as an int if it is one (numpy and 0-d tensor integers too), else None."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 class AsyncSaver:
@@ -166,9 +205,16 @@ class AsyncSaver:
     training time per save, and made the checkpoint durable 2-3x later (chapter 9), which is
     why it is not the default. On a host whose trainer leaves cores idle, try 19.
 
-    ``writer_cpu_share`` (None by default: unpaced; 0 < share <= 1) paces the background write
-    to at most that share of one core (``refimpl._paced_writer``, which gives the measurements):
-    steps barely slowed, the checkpoint committed about ``1 / share`` times its CPU time later.
+    ``writer_cpu_share`` (None by default: unpaced; 0.01 <= share <= 1) paces the background
+    write to at most that share of one core (``refimpl._paced_writer``, which gives the
+    measurements): steps barely slowed, the checkpoint committed about ``1 / share`` times its
+    CPU time later. A smaller share (or ``True``) is a ``ValueError``: the write would never
+    end.
+
+    A process that exits with a save nobody waited for stops pacing it and waits for it, at
+    most the collective timeout, before Python joins the saver's threads; then names the save
+    and what became of it on stderr (a `refimpl.launch.spawn` rank too, before it reports). A
+    save still running after that is lost, and the process exits at once with status 1.
 
     The background write runs in a thread of this process (DCP's default); there is no
     process mode. torch 2.13's ``AsyncCheckpointerType.PROCESS`` gained nothing consistent
@@ -187,8 +233,10 @@ class AsyncSaver:
         writer_nice: int = 0,
         writer_cpu_share: float | None = None,
     ) -> None:
-        if not 0 <= writer_nice <= 19:
+        nice = None if isinstance(writer_nice, bool) else _as_int(writer_nice)
+        if nice is None or not 0 <= nice <= 19:  # 5.5 would fail every save in setpriority
             raise ValueError(f"writer_nice must be an int from 0 to 19, got {writer_nice!r}")
+        writer_nice = nice
         check_cpu_share(writer_cpu_share)
         if pinned_memory and not torch.cuda.is_available():
             raise ValueError(
@@ -205,6 +253,7 @@ class AsyncSaver:
             group_timeout(process_group) if timeout_s is None else timedelta(seconds=timeout_s)
         )
         self._pg = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        self._timeout_s = (timeout or default_pg_timeout).total_seconds()  # None: torch's default
         pinned = torch.cuda.is_available() if pinned_memory is None else pinned_memory
         self._stager = _ReusingStager(pinned)
         self.writer_nice = writer_nice
@@ -277,6 +326,7 @@ class AsyncSaver:
             raise TypeError(f"dcp.async_save returned {type(upload).__name__}, not a Future")
         future = self._pool.submit(self._finish, group, upload, tmp, final, step, keep_last)
         self._pending = AsyncSaveHandle(step, final, future, self._stager.nbytes)
+        self._pending._exit_wait_s = self._timeout_s
         return self._pending
 
     @staticmethod
