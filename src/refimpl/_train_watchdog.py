@@ -20,8 +20,10 @@ uninterruptible I/O (state D) ends only when that I/O returns, whatever the sign
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,16 +37,47 @@ REAP_SIGNAL = signal.SIGXFSZ
 HANG_MARKER = "hang_injected_at_step_{step}"
 
 
+_TURN_ON = (
+    "start torchrun with TORCHELASTIC_ENABLE_FILE_TIMER=1 in its environment (it then passes "
+    "TORCHELASTIC_TIMER_FILE to every worker), e.g. "
+    "TORCHELASTIC_ENABLE_FILE_TIMER=1 torchrun --max-restarts=2 ... -m refimpl.train ..."
+)
+
+
 def unavailable() -> str | None:
-    """Why ``--step-timeout`` cannot work in this process, or None when torchrun's timer is on."""
-    if os.environ.get("TORCHELASTIC_TIMER_FILE"):
-        return None
-    return (
-        "--step-timeout needs torchrun's file-timer watchdog, which is off: start torchrun "
-        "with TORCHELASTIC_ENABLE_FILE_TIMER=1 in its environment (it then passes "
-        "TORCHELASTIC_TIMER_FILE to every worker), e.g. "
-        "TORCHELASTIC_ENABLE_FILE_TIMER=1 torchrun --max-restarts=2 ... -m refimpl.train ..."
-    )
+    """Why ``--step-timeout`` cannot work in this process, or None when torchrun's timer is on.
+
+    On means ``TORCHELASTIC_TIMER_FILE`` names a FIFO that a process (the agent's timer
+    server) has open for reading. Anything else is refused: torch's client opens the path
+    write-only and non-blocking, which succeeds on a regular file (a stale value from another
+    job), so the worker would run with no watchdog and write its requests over that file."""
+    path = os.environ.get("TORCHELASTIC_TIMER_FILE")
+    if not path:
+        return f"--step-timeout needs torchrun's file-timer watchdog, which is off: {_TURN_ON}"
+    where = f"--step-timeout: TORCHELASTIC_TIMER_FILE={path}"
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        return f"{where} cannot be used ({exc.strerror}): no timer server is there; {_TURN_ON}"
+    if not stat.S_ISFIFO(mode):
+        return (
+            f"{where} is not a FIFO (named pipe) but {_kind(mode)}: torchrun's timer server "
+            f"reads a FIFO it made, so this is a stale value (it was left untouched); {_TURN_ON}"
+        )
+    try:  # a FIFO with no reader refuses a non-blocking writer (ENXIO): no server reads it
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError as exc:
+        why = "no process reads it" if exc.errno == errno.ENXIO else exc.strerror
+        return f"{where} is a FIFO but {why}: its timer server is gone; {_TURN_ON}"
+    return None
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    return "a device or socket"
 
 
 class Watchdog:
