@@ -59,3 +59,63 @@ def test_a_timer_fifo_with_a_reader_is_accepted(
         assert os.read(reader, 100) == b""  # the check wrote nothing to the server
     finally:
         os.close(reader)
+
+
+# --- the reap signal: only the timer server's ends the worker ----------------------------
+
+_WORKER = """
+import os, resource, sys, time
+from refimpl._train_watchdog import Watchdog
+from refimpl.atomic import atomic_write_bytes
+watchdog = Watchdog(float(sys.argv[2]))
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))  # ulimit -f: a real file-size limit
+try:
+    atomic_write_bytes(b"x" * 10000, sys.argv[1])  # how refimpl.train writes its files
+except OSError as exc:
+    print("write:", exc, flush=True)
+reader, writer = os.pipe()
+os.close(reader)
+try:
+    os.write(writer, b"x")  # the kernel's own SIGPIPE, to this thread
+except OSError as exc:
+    print("pipe:", exc, flush=True)
+print("stuck", flush=True)
+with watchdog.guard("step"):
+    time.sleep(600)  # a step that never ends
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_file_size_limit_is_an_error_and_only_the_timer_server_ends_the_worker(
+    tmp_path: Path,
+) -> None:
+    """Before: the watchdog's signal was SIGXFSZ with its default action restored, so a real
+    ``ulimit -f`` killed the worker (status -25, a core dump where allowed) instead of raising
+    ``OSError: File too large`` naming the file. Now a write past the limit and a write to a
+    dead pipe are errors, and the timer server (torch's own FileTimerServer, in this process as
+    in torchrun's agent) ends the stuck worker with REAP_SIGNAL, which this process, like the
+    agent, survives receiving itself."""
+    import signal
+    import subprocess
+    import sys
+
+    from torch.distributed.elastic.timer import FileTimerServer
+
+    from refimpl._train_watchdog import REAP_SIGNAL
+
+    assert signal.getsignal(REAP_SIGNAL) == signal.SIG_IGN  # Python's start-up default
+    fifo = tmp_path / "timer"
+    server = FileTimerServer(str(fifo), run_id="test", max_interval=0.1, daemon=True)
+    server.start()
+    try:
+        env = {**os.environ, "TORCHELASTIC_TIMER_FILE": str(fifo)}
+        big = tmp_path / "big.bin"
+        cmd = [sys.executable, "-c", _WORKER, str(big), "1"]
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90)
+    finally:
+        server.stop()
+    assert f"write: [Errno 27] atomic write of {big} failed (File too large)" in run.stdout, run
+    assert "pipe: [Errno 32] Broken pipe" in run.stdout, run
+    assert "stuck" in run.stdout
+    assert run.returncode == -REAP_SIGNAL, run  # ended by the server, not by the kernel
+    assert REAP_SIGNAL not in (signal.SIGXFSZ, signal.SIGKILL)
