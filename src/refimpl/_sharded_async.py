@@ -15,12 +15,8 @@ ours:
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import operator
 import os
-import sys
-import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -35,10 +31,10 @@ from torch.distributed.checkpoint.state_dict_saver import async_save
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.tensor import DTensor
 
-from refimpl._exit_hooks import at_exit
+from refimpl._async_handle import AsyncSaveHandle as AsyncSaveHandle  # sharded.py imports it
 from refimpl._group_timeout import group_timeout
 from refimpl._low_priority import lower_thread_priority
-from refimpl._paced_writer import PacedWriter, check_cpu_share, stop_pacing
+from refimpl._paced_writer import PacedWriter, check_cpu_share
 from refimpl._sharded_errors import dcp_errors
 from refimpl._sharded_group import Group, commit_step, discard, prepare_step
 from refimpl._sharded_state import pack_checked
@@ -71,96 +67,6 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, (list, tuple)):
         return [t for v in obj for t in _tensors(v)]
     return []
-
-
-class AsyncSaveHandle:
-    """One background save. ``step`` and ``path`` (the final ``step_N``) are known at once;
-    ``staged_bytes`` is the size of this rank's staging copy; ``result()`` waits."""
-
-    def __init__(
-        self, step: int, path: Path, future: concurrent.futures.Future[Path], staged_bytes: int
-    ) -> None:
-        self.step = step
-        self.path = path
-        self.staged_bytes = staged_bytes
-        self._future = future
-        self.error_seen = False  # its error reached the caller once: the saver will not re-raise
-        self._exit_wait_s = 60.0  # the saver's collective timeout: the longest exit waits for it
-        _UNWAITED.add(self)  # until someone waits for it: see _finish_unwaited_at_exit
-
-    def done(self) -> bool:
-        """Whether the save has finished (committed or failed)."""
-        return self._future.done()
-
-    def result(self, timeout: float | None = None) -> Path:
-        """Wait until the step is committed and return its directory.
-
-        Raises `refimpl.sharded.ShardedCheckpointError` if any rank's save or the commit
-        failed (nothing was published then), ``TimeoutError`` after ``timeout`` seconds.
-        """
-        try:
-            return self._future.result(timeout)
-        except BaseException:
-            if self._future.done() and self._future.exception() is not None:
-                self.error_seen = True  # its own error, not a timeout or a Ctrl-C while waiting
-            raise
-        finally:
-            if self._future.done():
-                _UNWAITED.discard(self)
-
-    def _status(self) -> str:
-        if not self._future.done():
-            return "was still running (it is lost: nothing was published)"
-        error = self._future.exception()
-        if error is None:
-            return "had committed"
-        return f"had FAILED and was not published ({type(error).__name__}: {error})"
-
-
-_UNWAITED: set[AsyncSaveHandle] = set()
-
-
-@at_exit
-def _finish_unwaited_at_exit(final: bool) -> None:
-    """Say so when a process exits with an async save nobody waited for, once it has committed
-    or failed: without this, a failure would vanish with the process and the next start would
-    resume from an older step. Runs before Python joins the saver's threads
-    (`refimpl._exit_hooks`): pacing is stopped, so the write finishes at full speed, and the
-    wait is bounded by the saver's collective timeout. A save still running then is lost; with
-    ``final``, the process then exits with status 1 at once rather than wait for it forever."""
-    handles = sorted(_UNWAITED, key=lambda h: h.step)
-    _UNWAITED.clear()
-    if not handles:
-        return
-    stop_pacing()
-    deadline = time.monotonic() + max(h._exit_wait_s for h in handles)
-    for handle in handles:
-        remaining = max(0.0, deadline - time.monotonic())
-        with contextlib.suppress(
-            concurrent.futures.TimeoutError, concurrent.futures.CancelledError
-        ):
-            handle._future.exception(timeout=remaining)  # its error, if any, is in _status
-    for handle in handles:
-        print(
-            f"refimpl warning: the async save of step {handle.step} to {handle.path} was never "
-            f"waited for; at exit it {handle._status()}. Call handle.result() or "
-            "AsyncSaver.close() before the process group is destroyed and the process exits.",
-            file=sys.stderr,
-            flush=True,
-        )
-    running = [h for h in handles if not h.done()]
-    if running and final:
-        waited = max(h._exit_wait_s for h in running)
-        print(
-            f"refimpl error: exiting with status 1 now instead of waiting for the async save "
-            f"of step {running[0].step}, still running {waited:g} s after the process began to "
-            "exit (its collective timeout): a save that never finishes would keep the process "
-            "alive forever.",
-            file=sys.stderr,
-            flush=True,
-        )
-        sys.stdout.flush()
-        os._exit(1)
 
 
 def _as_int(value: Any) -> int | None:
@@ -325,8 +231,9 @@ class AsyncSaver:
         if not isinstance(upload, Future):  # an AsyncSaveResponse: only with async staging
             raise TypeError(f"dcp.async_save returned {type(upload).__name__}, not a Future")
         future = self._pool.submit(self._finish, group, upload, tmp, final, step, keep_last)
-        self._pending = AsyncSaveHandle(step, final, future, self._stager.nbytes)
-        self._pending._exit_wait_s = self._timeout_s
+        self._pending = AsyncSaveHandle(
+            step, final, future, self._stager.nbytes, exit_wait_s=self._timeout_s
+        )
         return self._pending
 
     @staticmethod
