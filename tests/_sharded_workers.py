@@ -217,3 +217,13 @@ def state_load_fails_on_one_rank(ckpt_dir: str) -> dict[str, Any]:
             "entries": (state["a"].n, state["b"].n, state["step"]),
         }
     return out
+
+
+def async_save_never_waited(ckpt_dir: str) -> int:
+    """Train an FSDP2 model, start an async save of step 5 and return without waiting for it
+    (tests/test_sharded_async_exit.py: the rank must still say what became of the save)."""
+    model = shard(tiny_model(0))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train(model, opt, range(1, 3))
+    refimpl.sharded.async_save_sharded(ckpt_dir, model, opt, 5)
+    return dist.get_rank()

@@ -468,14 +468,62 @@ def test_an_attempt_whose_rank_0_never_comes_ends_within_the_init_timeout(
     from refimpl._torchrun_init import AttemptStoreError, attempt_store
 
     agent_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    agent_store.set("refimpl/attempt", "dead0")  # a previous attempt's rank 0, and its answer
+    agent_store.set("refimpl/job/attempt", "dead0")  # a previous attempt's rank 0, its answer
     agent_store.set("refimpl/dead0/go/1", "not-yours")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(agent_store.port))
     start = time.monotonic()
     with pytest.raises(AttemptStoreError, match=r"rank 1: no rank 0 of this attempt"):
         attempt_store(1, 2, timeout_s=2)
     assert time.monotonic() - start < 10
+
+
+_TWO_JOBS_RANK = """
+import sys
+from refimpl._torchrun_init import attempt_store
+rank, job = int(sys.argv[1]), sys.argv[2]
+store = attempt_store(rank, 2, timeout_s=30)
+store.set(f"job/{rank}", job)
+print(store.get(f"job/{1 - rank}").decode(), flush=True)  # my peer's job
+"""
+
+
+@pytest.mark.timeout(120)
+def test_two_jobs_on_one_store_each_meet_their_own_ranks() -> None:
+    """Two torchrun jobs whose agents share one store (one rendezvous endpoint): both rank 0s
+    publish a token before either rank 1 looks. Before, the token had one key for every job:
+    both rank 1s read the second job's token, one joined the other job's group, and the rest
+    waited out the timeout. Now each token is under its job's run id."""
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
+
+    def start(rank: int, job: str) -> subprocess.Popen[str]:
+        cmd = [sys.executable, "-c", _TWO_JOBS_RANK, str(rank), job]
+        job_env = {**env, "TORCHELASTIC_RUN_ID": job}
+        return subprocess.Popen(
+            cmd, env=job_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+
+    procs = {}
+    try:
+        before = store.num_keys()
+        for job in ("jobA", "jobB"):  # each rank 0 first, and its token in the store
+            procs[0, job] = start(0, job)
+            deadline = time.monotonic() + 60
+            while store.num_keys() == before and time.monotonic() < deadline:
+                time.sleep(0.05)
+            before = store.num_keys()
+        for job in ("jobA", "jobB"):
+            procs[1, job] = start(1, job)
+        done = {key: p.communicate(timeout=90) for key, p in procs.items()}
+    finally:
+        for p in procs.values():
+            p.kill()
+    for (rank, job), (out, err) in done.items():
+        assert (procs[rank, job].returncode, out) == (0, f"{job}\n"), (rank, job, err[-2000:])
 
 
 # --- Issue 19 item 16: no rank tears its group down while a peer is still connecting ---------

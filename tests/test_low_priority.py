@@ -88,13 +88,15 @@ def test_lower_thread_priority_never_raises_a_threads_priority() -> None:
 
 
 def test_writer_nice_out_of_range_is_refused_before_anything_starts() -> None:
-    for bad in (-1, 20):
+    # 5.5 passed the range check, then every save failed in os.setpriority's int argument
+    for bad in (-1, 20, 5.5, True, "5"):
         with pytest.raises(ValueError, match="writer_nice must be an int from 0 to 19"):
             AsyncSaver(writer_nice=bad)
 
 
 def test_writer_cpu_share_out_of_range_is_refused_before_anything_starts() -> None:
-    for bad in (0, 2.0, -0.5):
+    # 1e-7 was accepted: each 1 MiB piece then slept for hours and the save never committed
+    for bad in (0, 2.0, -0.5, 1e-7, True):
         with pytest.raises(ValueError, match="cpu_share must be a number in"):
             AsyncSaver(writer_cpu_share=bad)  # before asking for a process group
 

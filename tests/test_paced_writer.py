@@ -16,7 +16,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from refimpl import _paced_writer
-from refimpl._paced_writer import PIECE_BYTES, PacedWriter, _Pacer
+from refimpl._paced_writer import (
+    MAX_SLEEP_S,
+    MIN_CPU_SHARE,
+    PIECE_BYTES,
+    PacedWriter,
+    _Pacer,
+    stop_pacing,
+)
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -64,6 +71,13 @@ class _SpyFile:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._raw, name)
+
+
+def _sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Every sleep the pacer asks for, recorded instead of slept."""
+    slept: list[float] = []
+    monkeypatch.setattr(_paced_writer._UNPACED, "wait", slept.append)
+    return slept
 
 
 def _async_save(state: dict[str, torch.Tensor], writer: PacedWriter) -> None:
@@ -115,8 +129,7 @@ def test_unpaced_background_writes_never_sleep_and_only_share_1_cuts_pieces(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, share: float | None
 ) -> None:
     rec = _Recorder(monkeypatch)
-    slept: list[float] = []
-    monkeypatch.setattr(_paced_writer.time, "sleep", slept.append)
+    slept = _sleeps(monkeypatch)
     state = _state()
     _async_save(state, PacedWriter(tmp_path / "bg", cpu_share=share))
     assert slept == []
@@ -145,10 +158,9 @@ def test_the_pacer_sleeps_until_cpu_time_is_within_its_share(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     clock = {"cpu": 10.0, "wall": 100.0}
-    slept: list[float] = []
     monkeypatch.setattr(_paced_writer.time, "thread_time", lambda: clock["cpu"])
     monkeypatch.setattr(_paced_writer.time, "monotonic", lambda: clock["wall"])
-    monkeypatch.setattr(_paced_writer.time, "sleep", slept.append)
+    slept = _sleeps(monkeypatch)
     pacer = _Pacer(0.25)
     pacer.start()
     clock["cpu"] += 0.5  # half a CPU-second in 1 s of wall: at 25%, due at 2 s
@@ -160,9 +172,30 @@ def test_the_pacer_sleeps_until_cpu_time_is_within_its_share(
     assert slept == [pytest.approx(1.0)]
 
 
-@pytest.mark.parametrize("bad", [0, -0.1, 1.5, "0.5", float("nan")])
-def test_a_share_outside_zero_to_one_is_refused(tmp_path: Path, bad: Any) -> None:
-    with pytest.raises(ValueError, match="cpu_share must be a number in"):
+def test_one_sleep_is_capped_and_stop_pacing_ends_them_all(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A writer whose CPU clock is far ahead (a burst of serialising, a share of 1e-7 before
+    shares that small were refused) sleeps at most MAX_SLEEP_S per piece, not 10**4 s; once
+    the process exits (stop_pacing), it sleeps no more."""
+    clock = {"cpu": 10.0, "wall": 100.0}
+    monkeypatch.setattr(_paced_writer.time, "thread_time", lambda: clock["cpu"])
+    monkeypatch.setattr(_paced_writer.time, "monotonic", lambda: clock["wall"])
+    monkeypatch.setattr(_paced_writer, "_UNPACED", threading.Event())  # this test's own
+    slept = _sleeps(monkeypatch)
+    pacer = _Pacer(MIN_CPU_SHARE)
+    pacer.start()
+    clock["cpu"] += 100.0  # due in 10**4 s at 1% of a core
+    pacer.wait()
+    assert slept == [MAX_SLEEP_S]
+    stop_pacing()
+    pacer.wait()
+    assert slept == [MAX_SLEEP_S]
+
+
+@pytest.mark.parametrize("bad", [0, -0.1, 1.5, "0.5", float("nan"), 1e-7, MIN_CPU_SHARE / 2, True])
+def test_a_share_outside_its_floor_to_one_is_refused(tmp_path: Path, bad: Any) -> None:
+    with pytest.raises(ValueError, match=r"cpu_share must be a number in \[0\.01, 1\]"):
         PacedWriter(tmp_path, cpu_share=bad)
 
 

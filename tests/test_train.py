@@ -328,13 +328,20 @@ def test_the_readme_command_survives_a_killed_worker_5_times_in_a_row(
 
 @pytest.mark.timeout(10)
 def test_step_timeout_is_refused_when_torchruns_timer_is_off(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
+    import os
+
     monkeypatch.delenv("TORCHELASTIC_TIMER_FILE", raising=False)
     with pytest.raises(SystemExit):
         parse_args(["--step-timeout", "5"])
     assert "TORCHELASTIC_ENABLE_FILE_TIMER=1" in capsys.readouterr().err
-    monkeypatch.setenv("TORCHELASTIC_TIMER_FILE", "/tmp/timer-fifo")
-    assert parse_args(["--step-timeout", "5"]).step_timeout == 5.0
+    os.mkfifo(tmp_path / "timer-fifo")  # what torchrun's timer server makes and reads
+    reader = os.open(tmp_path / "timer-fifo", os.O_RDONLY | os.O_NONBLOCK)
+    monkeypatch.setenv("TORCHELASTIC_TIMER_FILE", str(tmp_path / "timer-fifo"))
+    try:
+        assert parse_args(["--step-timeout", "5"]).step_timeout == 5.0
+    finally:
+        os.close(reader)
     with pytest.raises(SystemExit):
         parse_args(["--step-timeout", "0"])

@@ -13,11 +13,17 @@ Each step is checked as the kind its manifest says it is: a file checkpoint
 (`refimpl.checkpoint`, integer format) or a sharded one (`refimpl.sharded`, format
 ``"refimpl.sharded/1"``). Nothing is unpickled before it verifies, and then only with
 ``weights_only=True`` (a sharded step's ``.metadata``: through the allowlist unpickler).
+
+What cannot be used gets a line of its own and exit status 1: an entry named like a step that
+is a symbolic link loop, a link to nowhere or not a directory (``list``, ``verify``); a path
+that is such a link or that this user may not read. A step that is a symbolic link is checked
+and marked as one.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import stat
@@ -41,15 +47,21 @@ from refimpl.checkpoint import (
 SHARDED_FORMAT = "refimpl.sharded/1"  # refimpl._sharded_commit.FORMAT, without importing DCP
 
 
-def _size(path: Path) -> int:
-    """Bytes of the regular files under ``path``; links are not followed (a link to a large
-    file elsewhere, or to a directory outside the step, counts nothing)."""
+def _size(path: Path) -> str:
+    """Bytes of the regular files under ``path``, readable; ``?`` if part of it cannot be read.
+    Links are not followed (a link to a large file elsewhere, or to a directory outside the
+    step, counts nothing)."""
     total = 0
-    for top, _dirs, files in os.walk(path):  # os.walk does not descend into linked dirs
+    errors: list[OSError] = []
+    for top, _dirs, files in os.walk(path, onerror=errors.append):  # links to dirs: not entered
         for name in files:
-            st = os.lstat(os.path.join(top, name))
+            try:
+                st = os.lstat(os.path.join(top, name))
+            except OSError as exc:
+                errors.append(exc)
+                continue
             total += st.st_size if stat.S_ISREG(st.st_mode) else 0
-    return total
+    return "?" if errors else _human(total)
 
 
 def _is_sharded(step_dir: Path) -> bool:
@@ -78,6 +90,63 @@ def _human(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def _unusable(path: Path) -> str | None:
+    """Why ``path`` (given on the command line) cannot be read at all, or None: a symbolic
+    link loop or to nowhere, or not permitted; said in one line instead of a traceback or a
+    misleading "no step_N directories" (a plain missing path: None, each command says so)."""
+    try:
+        os.stat(path)  # follows a symbolic link
+        if path.is_dir():
+            os.listdir(path)
+    except OSError as exc:
+        if _is_link_error(exc, path):
+            return _link_problem(exc, path)
+        if isinstance(exc, FileNotFoundError):
+            return None  # each command says what it missed
+        return f"cannot be read ({exc.strerror or exc})"
+    return None
+
+
+def _is_link_error(exc: OSError, path: Path) -> bool:
+    """Whether ``exc`` came from following the symbolic link ``path`` (a loop, or nowhere)."""
+    return exc.errno in (errno.ELOOP, errno.ENOENT) and path.is_symlink()
+
+
+def _link_problem(exc: OSError, path: Path) -> str:
+    if exc.errno == errno.ELOOP:
+        return "a symbolic link loop (it resolves back to itself)"
+    return f"a symbolic link to {os.readlink(path)}, which does not exist"
+
+
+def _step_named(name: str) -> bool:
+    """Whether ``name`` has the form of a step directory's (``step_`` and 8 or more digits)."""
+    digits = name.removeprefix("step_")
+    return digits != name and len(digits) >= 8 and digits.isascii() and digits.isdigit()
+
+
+def _unlisted(root: Path, listed: list[tuple[int, Path]]) -> list[tuple[Path, str]]:
+    """Entries of ``root`` named like a step that the listing of steps skipped, and why: a
+    symbolic link loop or to nowhere, or something not a directory."""
+    seen = {d.name for _, d in listed}
+    found = []
+    for entry in sorted(root.iterdir()):
+        if entry.name in seen or not _step_named(entry.name):
+            continue
+        try:
+            os.stat(entry)
+            why = "not a directory: not a step"
+        except OSError as exc:
+            why = _link_problem(exc, entry) if _is_link_error(exc, entry) else exc.strerror or ""
+            why += ": not a step; remove it"
+        found.append((entry, why))
+    return found
+
+
+def _linked(step_dir: Path) -> str:
+    """`` (a symbolic link to TARGET)`` for a linked step directory, else nothing."""
+    return f" (a symbolic link to {os.readlink(step_dir)})" if step_dir.is_symlink() else ""
+
+
 def _steps_or_one(path: Path) -> list[tuple[int | None, Path]]:
     if (path / MANIFEST).exists() or (path / COMMIT_MARKER).exists():
         return [(None, path)]
@@ -86,7 +155,8 @@ def _steps_or_one(path: Path) -> list[tuple[int | None, Path]]:
 
 def _cmd_list(path: Path) -> int:
     steps = list_checkpoints(path)
-    if not steps:
+    unlisted = _unlisted(path, steps) if path.is_dir() else []
+    if not steps and not unlisted:
         print(f"{path}: no step_N directories")
         return 1
     bad = 0
@@ -96,23 +166,29 @@ def _cmd_list(path: Path) -> int:
             status = "verified"
         except CheckpointError as exc:
             status, bad = f"BAD: {exc.reason}", bad + 1
-        print(f"{step:>10}  {_human(_size(step_dir)):>10}  {status}")
-    return 1 if bad else 0
+        print(f"{step:>10}  {_size(step_dir):>10}  {status}{_linked(step_dir)}")
+    for entry, why in unlisted:
+        print(f"{entry.name:>10}  {'?':>10}  BAD: {why}")
+    return 1 if bad or unlisted else 0
 
 
 def _cmd_verify(path: Path) -> int:
     targets = _steps_or_one(path)
-    if not targets:
+    listed = [(step, d) for step, d in targets if step is not None]
+    unlisted = _unlisted(path, listed) if len(listed) == len(targets) and path.is_dir() else []
+    if not targets and not unlisted:
         print(f"{path}: nothing to verify (no step_N directories, not a step directory)")
         return 1
-    failed = 0
+    failed = len(unlisted)
     for _, step_dir in targets:
         try:
             manifest = _verifier(step_dir)(step_dir)
-            print(f"OK   {step_dir}: {len(manifest['files'])} files verified")
+            print(f"OK   {step_dir}: {len(manifest['files'])} files verified{_linked(step_dir)}")
         except CheckpointError as exc:
             failed += 1
             print(f"BAD  {exc.path}: {exc.reason}")
+    for entry, why in unlisted:
+        print(f"BAD  {entry}: {why}")
     return 1 if failed else 0
 
 
@@ -219,4 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export-hf":
         return _cmd_export_hf(args.path, args.out_dir, args.dtype, args.max_shard_size)
     command = {"list": _cmd_list, "verify": _cmd_verify, "inspect": _cmd_inspect}
-    return command[args.command](args.path)
+    why = _unusable(args.path)
+    if why is not None:
+        print(f"{args.path}: {why}")
+        return 1
+    try:
+        return command[args.command](args.path)
+    except OSError as exc:  # e.g. a directory inside that this user may not read
+        print(f"{exc.filename or args.path}: cannot be read ({exc.strerror or exc})")
+        return 1

@@ -18,6 +18,10 @@ checkpoint committed in 2 s instead of 0.2-1.0 s (1 GiB: 7-15 s instead of 0.7-3
 the writer's CPU seconds divided by the share (``python -m refimpl.bench save``, chapter 9).
 Pieces without the sleeps (``cpu_share=1``) did not help: 1.4-1.7x.
 
+A share is at least `MIN_CPU_SHARE`, one sleep at most `MAX_SLEEP_S`, and `stop_pacing` (called
+when the process exits, `refimpl._sharded_async`) ends every sleep: pacing spreads a write out
+while training runs, it must never keep a checkpoint from committing or a process from exiting.
+
 Only a background write is paced: a thread that created the writer (a synchronous
 ``dcp.save``) writes as ``FileSystemWriter`` does, as with
 `refimpl._low_priority.LowPriorityWriter`, whose nice value this writer also applies. The files
@@ -37,7 +41,14 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from refimpl._low_priority import LowPriorityWriter
 
-__all__ = ["PIECE_BYTES", "PacedWriter", "check_cpu_share"]
+__all__ = [
+    "MAX_SLEEP_S",
+    "MIN_CPU_SHARE",
+    "PIECE_BYTES",
+    "PacedWriter",
+    "check_cpu_share",
+    "stop_pacing",
+]
 
 PIECE_BYTES = 1 << 20
 """The most a paced write hands the kernel at once: a sleep can follow every piece, so a
@@ -45,10 +56,42 @@ step overlapping the write meets at most one piece's copy (about a third of a mi
 here) before the writer yields."""
 
 
+MIN_CPU_SHARE = 0.01
+"""The smallest ``cpu_share`` accepted (1% of a core). The write takes about its CPU time
+divided by the share: at a share of 1e-7, one piece's fraction of a millisecond would buy
+hours of sleep, and the checkpoint would never commit."""
+
+MAX_SLEEP_S = 1.0
+"""The longest one sleep between two pieces: however far ahead the writer's CPU clock is (a
+burst of serialising, a clock that jumped), the write hands the kernel a piece at least this
+often."""
+
+_UNPACED = threading.Event()  # set by stop_pacing: every sleep ends, no new one starts
+
+
 def check_cpu_share(share: float | None) -> None:
-    """Refuse a ``cpu_share`` that is neither None nor a number in (0, 1]."""
-    if share is not None and not (isinstance(share, int | float) and 0 < share <= 1):
-        raise ValueError(f"cpu_share must be a number in (0, 1] or None, got {share!r}")
+    """Refuse a ``cpu_share`` that is neither None nor a number from `MIN_CPU_SHARE` to 1
+    (``True`` and NaN included), with a ``ValueError``: a share that small never commits."""
+    if share is None:
+        return
+    if isinstance(share, bool) or not isinstance(share, int | float):
+        ok = False
+    else:
+        ok = MIN_CPU_SHARE <= share <= 1
+    if not ok:
+        raise ValueError(
+            f"cpu_share must be a number in [{MIN_CPU_SHARE}, 1] or None, got {share!r} "
+            f"(below {MIN_CPU_SHARE} of a core the paced write would take longer than any "
+            "training run; None writes unpaced)"
+        )
+
+
+def stop_pacing() -> None:
+    """End every paced write's sleep now and pace nothing from here on, in this process.
+
+    Called when the process exits (`refimpl._sharded_async`): a save still writing then
+    finishes at full speed instead of keeping the process alive for its sleeps."""
+    _UNPACED.set()
 
 
 class _Pacer:
@@ -63,14 +106,14 @@ class _Pacer:
         self._clock.cpu0, self._clock.wall0 = time.thread_time(), time.monotonic()
 
     def wait(self) -> None:
-        if self.share is None:
+        if self.share is None or _UNPACED.is_set():
             return
         if not hasattr(self._clock, "cpu0"):  # a writing thread of DCP's own (thread_count > 1)
             self.start()
         ahead = (time.thread_time() - self._clock.cpu0) / self.share
         ahead -= time.monotonic() - self._clock.wall0
         if ahead > 0:
-            time.sleep(ahead)
+            _UNPACED.wait(min(ahead, MAX_SLEEP_S))  # a sleep that stop_pacing ends
 
 
 class _PacedStream:
@@ -104,9 +147,10 @@ class _PacedFileSystem(FileSystem):
 
 class PacedWriter(LowPriorityWriter):
     """refimpl's DCP writer (no per-record CRC-32, a nice value for its thread) whose background
-    writes use at most ``cpu_share`` (0 < share <= 1) of one core, in `PIECE_BYTES` pieces;
-    1: pieces, unpaced; ``None`` (the default): `LowPriorityWriter`'s writes. ``nice`` is
-    `LowPriorityWriter`'s, here 0 (the caller's priority) by default."""
+    writes use at most ``cpu_share`` (`MIN_CPU_SHARE` <= share <= 1, else ``ValueError``) of
+    one core, in `PIECE_BYTES` pieces; 1: pieces, unpaced; ``None`` (the default):
+    `LowPriorityWriter`'s writes. ``nice`` is `LowPriorityWriter`'s, here 0 (the caller's
+    priority) by default."""
 
     def __init__(
         self,

@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 _RENAME_EXCHANGE = 2
 ASIDE_TAG = ".aside-"
-_ASIDE_RE = re.compile(r"\.(?P<base>.+)\.aside-(?P<owner>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]{8}")
+_ASIDE_RE = re.compile(r"\.(?P<base>.+)\.aside-(?P<owner>[0-9a-f]{8})-(?P<pid>\d{1,7})-[0-9a-f]{8}")
 
 
 def _aside_path(final: Path) -> Path:
@@ -39,8 +39,12 @@ def _aside_path(final: Path) -> Path:
     return final.with_name(f".{final.name}{ASIDE_TAG}{_OWNER}-{os.getpid()}-{secrets.token_hex(4)}")
 
 
-def restore_asides(root: Path) -> list[Path]:
+def restore_asides(root: Path, *, steps: re.Pattern[str]) -> list[Path]:
     """Put back every step a killed publisher left aside in ``root``; return what was restored.
+
+    Only aside names whose base ``steps`` matches in full are considered, each on its own: a
+    crafted hidden name (base ``.``, a pid of more digits than any pid) is not a step's and is left
+    alone, so it cannot stop every listing of the steps.
 
     An aside copy is the committed step whenever ``step_N`` itself is missing: it is renamed
     back. When ``step_N`` exists, the new copy made it and the aside is the old one: it is
@@ -57,7 +61,9 @@ def restore_asides(root: Path) -> list[Path]:
         return restored
     for entry in entries:
         match = _ASIDE_RE.fullmatch(entry.name)
-        if match is None or entry.is_symlink() or not entry.is_dir():
+        if match is None or steps.fullmatch(match["base"]) is None:
+            continue
+        if entry.is_symlink() or not entry.is_dir():
             continue
         ours = match["owner"] == _OWNER
         if ours and _pid_alive(int(match["pid"])):

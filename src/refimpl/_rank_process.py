@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from refimpl._exit_hooks import run_exit_hooks
+
 STARTUP_TIMEOUT_S = 60.0  # for ranks to start and meet, whatever the collective timeout
 TCPStore = dist.TCPStore  # type: ignore[attr-defined]  # not in torch.distributed's __all__
 
@@ -207,6 +209,10 @@ def bootstrap(
         _slow_connect_hook(store, rank)
         store.add("refimpl/connected", 1)  # see the finally block
         value = fn(*args)
+        # What the process would do at exit (say what became of an async save nobody waited
+        # for), now: after the report the launcher kills the rank, and a multiprocessing child
+        # runs no atexit handlers anyway.
+        run_exit_hooks(final=False)
         try:
             report: tuple[str, Any] = ("ok", pickle.dumps(value))
         except Exception as exc:

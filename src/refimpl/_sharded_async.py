@@ -15,10 +15,8 @@ ours:
 
 from __future__ import annotations
 
-import atexit
-import concurrent.futures
+import operator
 import os
-import sys
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -30,8 +28,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import async_save
+from torch.distributed.constants import default_pg_timeout
 from torch.distributed.tensor import DTensor
 
+from refimpl._async_handle import AsyncSaveHandle as AsyncSaveHandle  # sharded.py imports it
 from refimpl._group_timeout import group_timeout
 from refimpl._low_priority import lower_thread_priority
 from refimpl._paced_writer import PacedWriter, check_cpu_share
@@ -69,67 +69,12 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-class AsyncSaveHandle:
-    """One background save. ``step`` and ``path`` (the final ``step_N``) are known at once;
-    ``staged_bytes`` is the size of this rank's staging copy; ``result()`` waits."""
-
-    def __init__(
-        self, step: int, path: Path, future: concurrent.futures.Future[Path], staged_bytes: int
-    ) -> None:
-        self.step = step
-        self.path = path
-        self.staged_bytes = staged_bytes
-        self._future = future
-        self.error_seen = False  # its error reached the caller once: the saver will not re-raise
-        _UNWAITED.add(self)  # until someone waits for it: see _warn_unwaited_at_exit
-
-    def done(self) -> bool:
-        """Whether the save has finished (committed or failed)."""
-        return self._future.done()
-
-    def result(self, timeout: float | None = None) -> Path:
-        """Wait until the step is committed and return its directory.
-
-        Raises `refimpl.sharded.ShardedCheckpointError` if any rank's save or the commit
-        failed (nothing was published then), ``TimeoutError`` after ``timeout`` seconds.
-        """
-        try:
-            return self._future.result(timeout)
-        except BaseException:
-            if self._future.done() and self._future.exception() is not None:
-                self.error_seen = True  # its own error, not a timeout or a Ctrl-C while waiting
-            raise
-        finally:
-            if self._future.done():
-                _UNWAITED.discard(self)
-
-    def _status(self) -> str:
-        if not self._future.done():
-            return "was still running (it is lost: nothing was published)"
-        error = self._future.exception()
-        if error is None:
-            return "had committed"
-        return f"had FAILED and was not published ({type(error).__name__}: {error})"
-
-
-_UNWAITED: set[AsyncSaveHandle] = set()
-
-
-@atexit.register
-def _warn_unwaited_at_exit() -> None:
-    """Say so when a process exits with an async save nobody waited for. By now Python has
-    joined the saver's worker thread (concurrent.futures joins its threads before atexit
-    handlers run), so each save has either committed or failed; without this, a failure
-    would vanish with the process and the next start would resume from an older step."""
-    for handle in sorted(_UNWAITED, key=lambda h: h.step):
-        print(
-            f"refimpl warning: the async save of step {handle.step} to {handle.path} was never "
-            f"waited for; at exit it {handle._status()}. Call handle.result() or "
-            "AsyncSaver.close() before the process group is destroyed and the process exits.",
-            file=sys.stderr,
-            flush=True,
-        )
-    _UNWAITED.clear()
+def _as_int(value: Any) -> int | None:
+    """``value`` as an int if it is one (numpy and 0-d tensor integers too), else None."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 class AsyncSaver:
@@ -166,9 +111,16 @@ class AsyncSaver:
     training time per save, and made the checkpoint durable 2-3x later (chapter 9), which is
     why it is not the default. On a host whose trainer leaves cores idle, try 19.
 
-    ``writer_cpu_share`` (None by default: unpaced; 0 < share <= 1) paces the background write
-    to at most that share of one core (``refimpl._paced_writer``, which gives the measurements):
-    steps barely slowed, the checkpoint committed about ``1 / share`` times its CPU time later.
+    ``writer_cpu_share`` (None by default: unpaced; 0.01 <= share <= 1) paces the background
+    write to at most that share of one core (``refimpl._paced_writer``, which gives the
+    measurements): steps barely slowed, the checkpoint committed about ``1 / share`` times its
+    CPU time later. A smaller share (or ``True``) is a ``ValueError``: the write would never
+    end.
+
+    A process that exits with a save nobody waited for stops pacing it and waits for it, at
+    most the collective timeout, before Python joins the saver's threads; then names the save
+    and what became of it on stderr (a `refimpl.launch.spawn` rank too, before it reports). A
+    save still running after that is lost, and the process exits at once with status 1.
 
     The background write runs in a thread of this process (DCP's default); there is no
     process mode. torch 2.13's ``AsyncCheckpointerType.PROCESS`` gained nothing consistent
@@ -187,8 +139,10 @@ class AsyncSaver:
         writer_nice: int = 0,
         writer_cpu_share: float | None = None,
     ) -> None:
-        if not 0 <= writer_nice <= 19:
+        nice = None if isinstance(writer_nice, bool) else _as_int(writer_nice)
+        if nice is None or not 0 <= nice <= 19:  # 5.5 would fail every save in setpriority
             raise ValueError(f"writer_nice must be an int from 0 to 19, got {writer_nice!r}")
+        writer_nice = nice
         check_cpu_share(writer_cpu_share)
         if pinned_memory and not torch.cuda.is_available():
             raise ValueError(
@@ -205,6 +159,7 @@ class AsyncSaver:
             group_timeout(process_group) if timeout_s is None else timedelta(seconds=timeout_s)
         )
         self._pg = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        self._timeout_s = (timeout or default_pg_timeout).total_seconds()  # None: torch's default
         pinned = torch.cuda.is_available() if pinned_memory is None else pinned_memory
         self._stager = _ReusingStager(pinned)
         self.writer_nice = writer_nice
@@ -276,7 +231,9 @@ class AsyncSaver:
         if not isinstance(upload, Future):  # an AsyncSaveResponse: only with async staging
             raise TypeError(f"dcp.async_save returned {type(upload).__name__}, not a Future")
         future = self._pool.submit(self._finish, group, upload, tmp, final, step, keep_last)
-        self._pending = AsyncSaveHandle(step, final, future, self._stager.nbytes)
+        self._pending = AsyncSaveHandle(
+            step, final, future, self._stager.nbytes, exit_wait_s=self._timeout_s
+        )
         return self._pending
 
     @staticmethod

@@ -12,8 +12,9 @@ worker can read the dead workers' addresses before its peers overwrite them: glo
 (pytorch/pytorch#135712).
 
 `attempt_store` gives each attempt keys no earlier attempt wrote: rank 0 draws a random
-token and publishes it; every other rank proves it read *this* attempt's token (a handshake
-with a token of its own), and the group is built on ``PrefixStore(token, store)``.
+token and publishes it under the job's run id (two jobs may share a store); every other rank
+proves it read *this* attempt's token (a handshake with a token of its own), and the group is
+built on ``PrefixStore(token, store)``.
 ``TORCHELASTIC_RESTART_COUNT`` alone would not do: it is each agent's own count, and an
 agent that restarts for a membership change does not increment it
 (``SimpleElasticAgent._invoke_run``), so two nodes can hold different counts for the same
@@ -38,7 +39,6 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 __all__ = ["RankInfo", "attempt_store", "init_from_env"]
 
-_TOKEN_KEY = "refimpl/attempt"
 _POLL_S = 0.2  # how long a rank waits for an answer to a token before reading it again
 _AGENT_POLL_S = 1.0  # how often a torchrun worker checks that its agent is still its parent
 _watching: list[threading.Thread] = []  # the one agent watch of this process, once started
@@ -70,22 +70,32 @@ def _arrived(store: Store, keys: list[str], deadline: float) -> bool:
     return True
 
 
+def _token_key() -> str:
+    """Where rank 0 publishes this attempt's token: under the job's own name, torchrun's run
+    id (``TORCHELASTIC_RUN_ID``: ``--rdzv-id``, a fresh uuid with ``--standalone``), so that
+    two jobs meeting on one store (one rendezvous endpoint) never read each other's token,
+    which would put a rank of one job into the other's group."""
+    return f"refimpl/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/attempt"
+
+
 def attempt_store(rank: int, world_size: int, timeout_s: float) -> Store:
     """A store for this attempt's process group, over torchrun's shared one, with fresh keys.
 
     Connects to ``MASTER_ADDR:MASTER_PORT`` (the agent's store) and returns a `PrefixStore`
     whose prefix is a token rank 0 drew for this attempt, once every rank has shown it holds
-    that token (not one a dead rank 0 of an earlier attempt left behind). Raises
+    that token (not one a dead rank 0 of an earlier attempt, or another job's rank 0, left
+    behind: the token's key is scoped to torchrun's run id). Raises
     `AttemptStoreError`, naming the ranks and the store, if that takes over ``timeout_s``.
     """
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     where = f"torchrun's store at {addr}:{port}"
     deadline = time.monotonic() + timeout_s
+    token_key = _token_key()
     base = TCPStore(addr, port, world_size, is_master=False,
                          timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
     if rank == 0:
         token = os.urandom(8).hex()
-        base.set(_TOKEN_KEY, token)
+        base.set(token_key, token)
         acks = [f"refimpl/{token}/ack/{r}" for r in range(1, world_size)]
         if acks and not _arrived(base, acks, deadline):
             missing = [r for r, key in enumerate(acks, 1) if not base.check([key])]
@@ -100,8 +110,8 @@ def attempt_store(rank: int, world_size: int, timeout_s: float) -> Store:
             )  # echo each rank's own token
         return PrefixStore(f"refimpl/{token}/", base)
     mine = os.urandom(8).hex()
-    while time.monotonic() < deadline and _arrived(base, [_TOKEN_KEY], deadline):
-        token = base.get(_TOKEN_KEY).decode()
+    while time.monotonic() < deadline and _arrived(base, [token_key], deadline):
+        token = base.get(token_key).decode()
         base.set(f"refimpl/{token}/ack/{rank}", mine)
         go = f"refimpl/{token}/go/{rank}"
         # A dead rank 0 never answers; an answer an earlier attempt left is not our token.

@@ -54,7 +54,9 @@ COMMIT_MARKER = "COMMITTED"
 """`atomic_dir` writes this empty file last: a directory without it is not a checkpoint."""
 
 _MAX_PLAIN_NAME = 200  # bytes; longer names get a hashed temp name (NAME_MAX is 255)
-_TEMP_RE = re.compile(r"\.(?P<base>.+)\.tmp-(?P<owner>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]{8}")
+# A pid has at most 7 digits (Linux's PID_MAX_LIMIT is 2**22): a longer one is no writer's, and
+# would overflow os.kill.
+_TEMP_RE = re.compile(r"\.(?P<base>.+)\.tmp-(?P<owner>[0-9a-f]{8})-(?P<pid>\d{1,7})-[0-9a-f]{8}")
 
 
 def _owner_tag() -> str:

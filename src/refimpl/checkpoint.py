@@ -113,7 +113,7 @@ def list_checkpoints(ckpt_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]
     root = Path(ckpt_dir)
     if not root.is_dir():
         return []
-    restore_asides(root)
+    restore_asides(root, steps=_STEP_RE)
     found = []
     for entry in root.iterdir():
         match = _STEP_RE.fullmatch(entry.name)
