@@ -16,6 +16,10 @@ even when it re-saves that step and dies half-way; a state that could never be l
 refused before anything is written or pruned; a damaged newest step (EIO, a hostile manifest,
 a crafted file) makes `load_latest` fall back, never crash; and nothing is deleted that this
 code did not write or whose writer may still be alive.
+
+One run per directory: two jobs saving into one ``ckpt_dir`` re-save over and prune each
+other's steps. Hold `refimpl.dirlock.DirLock` on it for the run (``with DirLock(ckpt_dir):``
+around the load and every save); a second writer is then refused at its start.
 """
 
 from __future__ import annotations
