@@ -108,8 +108,8 @@ def test_a_torchrun_restart_waits_for_its_earlier_attempt_another_job_does_not(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The holder is attempt 0 of run ``job1``. Attempt 1 of ``job1`` (a restart whose
-    predecessor is still being stopped) waits and gets the lock when it dies; attempt 1 of
-    another run, or attempt 0 of the same one, is refused without waiting."""
+    predecessor is still being stopped) waits and gets the lock when it dies; another run is
+    refused without waiting, and so is another job under torchrun's shared default id."""
     proc, _ = _holder(tmp_path, env={"TORCHELASTIC_RUN_ID": "job1",
                                      "TORCHELASTIC_RESTART_COUNT": "0"})  # fmt: skip
     try:
@@ -118,6 +118,10 @@ def test_a_torchrun_restart_waits_for_its_earlier_attempt_another_job_does_not(
         with pytest.raises(DirLocked, match="torchrun run job1 attempt 0") as exc:
             DirLock(tmp_path, restart_wait_s=600).acquire()  # another job: no wait
         assert "waited" not in str(exc.value)
+        none = Holder("h", 1, "none", 0, agent=10)  # torchrun's default id: agent and count
+        assert none.earlier_attempt_of(Holder("h", 2, "none", 1, agent=10))
+        assert not none.earlier_attempt_of(Holder("h", 2, "none", 1, agent=11))  # other job
+        assert not none.earlier_attempt_of(Holder("h", 2, "none", 0, agent=10))
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job1")
         with pytest.raises(DirLocked, match=r"earlier attempt of this job; waited 0 s"):
             DirLock(tmp_path, restart_wait_s=0).acquire()

@@ -114,11 +114,17 @@ class Holder:
 
     def earlier_attempt_of(self, other: Holder) -> bool:
         """Whether this holder is an earlier attempt of ``other``'s torchrun job (a restart's
-        predecessor, which its agent is stopping), not another job."""
-        if not self.run_id or self.run_id != other.run_id or self.attempt >= other.attempt:
+        predecessor, which its agent is stopping), not another job.
+
+        A job runs one rank 0 at a time, so another holder with the same run id is an
+        earlier one (restart counts are per agent: after an elastic membership change the
+        new rank 0 may count lower). torchrun's default id ``none`` is shared by every job
+        started without ``--rdzv-id``: there, the same agent and a lower count are required."""
+        if not self.run_id or self.run_id != other.run_id:
             return False
-        if self.run_id == "none":  # torchrun's default id: the same agent on the same host
-            return (self.host, self.agent) == (other.host, other.agent)
+        if self.run_id == "none":
+            same_agent = (self.host, self.agent) == (other.host, other.agent)
+            return same_agent and self.attempt < other.attempt
         return True
 
 
