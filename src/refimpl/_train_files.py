@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LRScheduler
 
+from refimpl._train_flags import refuse, reset_lr, resume_problems, sampler_entry
 from refimpl._train_schedule import check_restored, flat_schedule
 from refimpl.checkpoint import load_latest, save_checkpoint
 from refimpl.data import ResumableSampler
@@ -40,7 +41,8 @@ def save(
     """Every rank captures its RNG, rank 0 writes the checkpoint, the others wait for it."""
     world = dist.get_world_size()
     # Every rank's RNG goes to rank 0 (each rank's dropout stream differs: keep all).
-    state = capture_every_rank(model, opt, scheduler=sched, sampler_state=sampler_state,
+    state = capture_every_rank(model, opt, scheduler=sched,
+                               sampler_state=sampler_entry(args, sampler_state),
                                epoch=int(sampler_state["epoch"]), step=step)  # fmt: skip
     # The other ranks wait here (not in the next step's all-reduce, under the training
     # timeout) and raise at once if rank 0's save fails: chapter 4.
@@ -73,11 +75,18 @@ def load(
     if found is None:
         return 0
     state: dict[str, Any] = dict(found[1])
+    # Checked before anything is restored: a flag that contradicts the step names the fix.
+    saved_sched = state.get("scheduler")
+    base_lrs = saved_sched.get("base_lrs") if isinstance(saved_sched, dict) else None
+    sampler_state = state.get("sampler") if isinstance(state.get("sampler"), dict) else None
+    refuse(resume_problems(args, found[0], base_lrs, sampler_state), dist.get_rank(), args.ckpt_dir)
     if "rng" in args.no_restore:
         state["rng"] = None
     optimizer = None if "optimizer" in args.no_restore else opt
     info = restore_state(state, model, optimizer, scheduler=sched, rank=dist.get_rank(),
                          world_size=dist.get_world_size())  # fmt: skip
+    if args.reset_lr:
+        reset_lr(args, sched, opt, int(info["step"]), log)
     check_restored(sched, opt, int(info["step"]), args.ckpt_dir, flat=flat_schedule(args))
     if "data" not in args.no_restore:
         sampler.load_state_dict(info["sampler"])

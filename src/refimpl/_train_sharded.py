@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.optim.lr_scheduler import LRScheduler
 
+from refimpl._train_flags import refuse, reset_lr, resume_problems, sampler_entry
 from refimpl._train_resume import refuse_fresh_start
 from refimpl._train_schedule import check_restored, flat_schedule
 from refimpl.data import ResumableSampler
@@ -54,7 +55,8 @@ def seed_step(seed: int, rank: int, step: int) -> None:
 def trainer_state(
     sched: LRScheduler, sampler_state: Mapping[str, int], step: int
 ) -> dict[str, Any]:
-    """The ``state=`` of a save: equal on every rank, so each entry is shared (saved once)."""
+    """The ``state=`` of a save: equal on every rank, so each entry is shared (saved once).
+    ``sampler_state``: the trainer's sampler entry (`refimpl._train_flags.sampler_entry`)."""
     return {"step": step, "sampler": dict(sampler_state), "scheduler": sched}
 
 
@@ -68,7 +70,7 @@ def save(
     log: Callable[[str], None],
 ) -> None:
     """Collective: every rank writes its shard; rank 0 commits the step when all are durable."""
-    state = trainer_state(sched, sampler_state, step)
+    state = trainer_state(sched, sampler_entry(args, sampler_state), step)
     path = save_sharded(args.ckpt_dir, model, opt, step, keep_last=args.keep_last, state=state)
     if dist.get_rank() == 0:
         log(f"saved {path.name}")
@@ -103,6 +105,12 @@ def load(
         raise RuntimeError(
             f"{args.ckpt_dir}: step_{step} holds trainer state of step {state['step']}"
         )
+    # The model is in memory, nothing is trained or written: refuse a flag that contradicts
+    # the step before the first step (the sampler's own seed check would say it in its words).
+    base_lrs = [float(lr) for lr in sched.base_lrs]
+    refuse(resume_problems(args, step, base_lrs, state["sampler"]), dist.get_rank(), args.ckpt_dir)
+    if args.reset_lr:
+        reset_lr(args, sched, opt, step, log)
     check_restored(sched, opt, step, args.ckpt_dir, flat=flat_schedule(args))
     if "data" not in args.no_restore:
         sampler.load_state_dict(state["sampler"])
