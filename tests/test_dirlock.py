@@ -8,6 +8,7 @@ waited for; the lock file is never taken for a step by any lister, loader, prune
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -244,3 +245,38 @@ def test_torchrun_restart_after_rank_0_is_sigkilled_gets_the_lock_and_finishes(
     assert [a["resumed_from"] for a in summary] == [0, 4], run.stdout
     assert summary[-1]["end"] == "done at step 8"
     assert "in use by another run" not in run.stdout + run.stderr
+
+
+def _read_only(cmd: list[str], d: Path) -> list[str]:
+    """``cmd`` run with ``d`` read-only: mode 0555 for a user, a read-only bind mount in a
+    private mount namespace for root (whom modes do not stop)."""
+    if os.geteuid() != 0:
+        d.chmod(0o555)
+        return cmd
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"]).returncode:
+        pytest.skip("root without mount namespaces: no way to make a directory read-only")
+    mount = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"'
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c", mount, str(d), *cmd]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(170)
+def test_a_read_only_ckpt_dir_is_refused_before_the_first_step(tmp_path: Path) -> None:
+    """Found at the first save, on every restart, it was: now at start, before any step."""
+    ckpt = tmp_path / "ckpt"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    first = subprocess.run(_train_cmd(ckpt, "--steps", "4"), capture_output=True, text=True,
+                           env=env, timeout=120)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    cmd = _read_only(_train_cmd(ckpt, "--steps", "8"), ckpt)
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    finally:
+        ckpt.chmod(0o755)
+    assert run.returncode != 0, run.stdout
+    assert f"{ckpt}: rank 0: cannot be written (Read-only file system" in run.stderr or (
+        os.geteuid() != 0 and "cannot be written (Permission denied" in run.stderr
+    ), run.stderr[-3000:]
+    assert "another checkpoint directory" in run.stderr
+    assert " loss " not in run.stdout and "resumed" not in run.stdout, run.stdout
+    assert [s for s, _ in list_checkpoints(ckpt)] == [2, 4]
