@@ -288,6 +288,7 @@ def load_latest(
     on_skip: Callable[[Path, str], None] | None = None,
     map_location: Any = "cpu",
     on_load: Callable[[Path, dict[str, Any]], None] | None = None,
+    below: int | None = None,
 ) -> tuple[int, dict[str, Any]] | None:
     """The newest checkpoint in ``ckpt_dir`` that verifies, as ``(step, state)``; else None.
 
@@ -300,7 +301,8 @@ def load_latest(
     directory, is a `CheckpointError` that says which directory to pass instead.
     ``on_load(step_dir, manifest)``, if given, is called with the step returned and the
     manifest its files were verified against (`refimpl.trainstate.check_same_checkpoint`
-    compares its digest across ranks).
+    compares its digest across ranks). ``below`` considers only the steps older than it: the
+    way back past a step that verified but could not be restored (`refimpl.train` does this).
 
     Example::
 
@@ -314,6 +316,8 @@ def load_latest(
         _explain_empty(root)
         return None
     for step, step_dir in reversed(steps):
+        if below is not None and step >= below:
+            continue
         try:
             manifest, state = _load_verified(step_dir, None, map_location)
         except CheckpointError as exc:
