@@ -20,6 +20,12 @@ so a second job started there (submitted twice, an old directory reused) stops a
 naming the holder's host and pid, and a directory that cannot be written is refused before
 the first step. A torchrun restart is the same job: its new rank 0 waits for the old one.
 
+A start whose ``--lr``, ``--steps``, ``--samples`` or ``--seed`` contradicts the step it
+resumes stops before training, naming the flag to pass (``--reset-lr`` applies a new rate
+instead and says so: `refimpl._train_flags`). A step that verifies but does not fit (an RNG
+state of another size, a scheduler with other param groups) is skipped like a damaged one,
+the reason logged (`refimpl._train_restorable`).
+
 ``--sharded`` swaps DDP for FSDP2 and rank 0's file for chapter 8's DCP checkpoints, which
 every rank writes in parallel and a restart at another world size reshards; the step, the
 sampler's position and the LR schedule travel in the checkpoint's ``state=``, and dropout is
