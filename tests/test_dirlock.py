@@ -280,3 +280,18 @@ def test_a_read_only_ckpt_dir_is_refused_before_the_first_step(tmp_path: Path) -
     assert "another checkpoint directory" in run.stderr
     assert " loss " not in run.stdout and "resumed" not in run.stdout, run.stdout
     assert [s for s, _ in list_checkpoints(ckpt)] == [2, 4]
+
+
+@pytest.mark.timeout(30)
+def test_a_holder_being_torn_down_is_recognised_from_proc() -> None:
+    """A SIGKILLed holder keeps its lock until the kernel closes its descriptors, which comes
+    after freeing its memory; such a holder is waited for, not refused (`_exiting`)."""
+    from refimpl.dirlock import _exiting
+
+    live = Path("/proc/self/stat").read_text(), Path("/proc/self/status").read_text()
+    assert not _exiting(*live)
+    head = "123 (a (b) c) S 1 123 123 0 -1 "  # a name with spaces and parentheses
+    assert _exiting(head.replace(" S ", " Z ") + "4194560 0", "")  # a zombie
+    assert _exiting(head + "4194564 0", "")  # flags with PF_EXITING (0x4)
+    assert not _exiting(head + "4194560 0", "SigPnd:\t0000000000000000\n")
+    assert _exiting(head + "4194560 0", "ShdPnd:\t0000000000000100\n")  # SIGKILL pending

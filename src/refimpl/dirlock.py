@@ -19,6 +19,10 @@ torchrun job (same ``TORCHELASTIC_RUN_ID``; for the default id ``none``, also th
 `DirLock` waits up to ``restart_wait_s`` for it to go, then refuses. A forked child (a
 DataLoader worker) would inherit the descriptor and keep the lock after its parent died; the
 descriptor is closed in every child at fork, so only the process that locked holds it.
+A holder on this machine that is being torn down (SIGKILLed in uninterruptible sleep, or
+freeing a large address space in ``do_exit``, which comes before its descriptors are closed)
+is waited for the same way: a job restarted right after a kill is not refused
+by the corpse of its predecessor.
 
 The lock also checks that the directory can be written (`check_writable`: a probe file
 created, written and removed), so a read-only or full mount is refused before the first
@@ -126,6 +130,38 @@ class Holder:
             same_agent = (self.host, self.agent) == (other.host, other.agent)
             return same_agent and self.attempt < other.attempt
         return True
+
+
+_PF_EXITING = 0x4  # linux/sched.h: the task is in do_exit, its descriptors not yet closed
+_SIGKILL_BIT = 1 << (9 - 1)
+
+
+def _exiting(stat: str, status: str) -> bool:
+    """Whether ``/proc/PID/stat`` and ``/proc/PID/status`` (their text) describe a process
+    that is on its way out: a zombie, in ``do_exit`` (``PF_EXITING``), or with SIGKILL
+    pending (killed while in uninterruptible sleep, a long fsync say)."""
+    fields = stat.rsplit(")", 1)[-1].split()  # the name, in parentheses, may hold spaces
+    if len(fields) < 7:
+        return False
+    if fields[0] in ("Z", "X", "x") or int(fields[6]) & _PF_EXITING:
+        return True
+    for line in status.splitlines():
+        name, _, value = line.partition(":")
+        if name in ("SigPnd", "ShdPnd") and int(value.strip() or "0", 16) & _SIGKILL_BIT:
+            return True
+    return False
+
+
+def _dying(holder: Holder) -> bool:
+    """Whether the holder runs on this machine and is being torn down: the kernel drops its
+    lock within moments (once it closes its descriptors), so it is waited for, not refused."""
+    if holder.host != socket.gethostname():
+        return False
+    try:
+        proc = Path("/proc") / str(holder.pid)
+        return _exiting((proc / "stat").read_text(), (proc / "status").read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def _read_holder(fd: int) -> Holder | None:
@@ -262,8 +298,8 @@ class DirLock:
                 break
             except BlockingIOError:
                 holder = _read_holder(fd)
-                restarting = holder is not None and holder.earlier_attempt_of(me)
-                if restarting and time.monotonic() < deadline:
+                expected = holder is not None and (holder.earlier_attempt_of(me) or _dying(holder))
+                if expected and time.monotonic() < deadline:
                     time.sleep(_POLL_S)
                     continue
                 os.close(fd)
@@ -296,11 +332,11 @@ class DirLock:
 
     def _refusal(self, holder: Holder | None, me: Holder, wait_s: float) -> DirLocked:
         who = holder.describe() if holder is not None else "a process whose record is unreadable"
-        waited = (
-            f" (an earlier attempt of this job; waited {wait_s:g} s for it to exit)"
-            if holder is not None and holder.earlier_attempt_of(me)
-            else ""
-        )
+        waited = ""
+        if holder is not None and holder.earlier_attempt_of(me):
+            waited = f" (an earlier attempt of this job; waited {wait_s:g} s for it to exit)"
+        elif holder is not None and _dying(holder):
+            waited = f" (being killed; waited {wait_s:g} s for it to exit)"
         return DirLocked(
             self.path,
             f"is in use by another run: {who} holds {LOCK_FILE}{waited}. Two runs saving into "
