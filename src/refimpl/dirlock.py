@@ -19,13 +19,14 @@ torchrun job (same ``TORCHELASTIC_RUN_ID``; for the default id ``none``, also th
 `DirLock` waits up to ``restart_wait_s`` for it to go, then refuses. A forked child (a
 DataLoader worker) would inherit the descriptor and keep the lock after its parent died; the
 descriptor is closed in every child at fork, so only the process that locked holds it.
+
 A holder on this machine that is being torn down (SIGKILLed in uninterruptible sleep, or
 freeing a large address space in ``do_exit``, which comes before its descriptors are closed)
-is waited for the same way: a job restarted right after a kill is not refused
-by the corpse of its predecessor.
+is waited for the same way, whatever job it was: a job restarted right after a kill is not
+refused by the corpse of its predecessor.
 
 The lock also checks that the directory can be written (`check_writable`: a probe file
-created, written and removed), so a read-only or full mount is refused before the first
+created, written and removed), so a read-only mount is refused before the first
 step is trained, not at the first save of every restart.
 
 Hold it for the whole run, around everything that saves (`refimpl.checkpoint.save_checkpoint`,
