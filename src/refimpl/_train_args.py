@@ -37,6 +37,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=positive, default=256, help="size of the synthetic dataset")
     p.add_argument("--lr", type=float_range(0, low_open=True), default=1e-2,
                    help="AdamW learning rate")  # fmt: skip
+    p.add_argument("--reset-lr", action="store_true",
+                   help="on resume, train on at --lr instead of the checkpoint's rate")  # fmt: skip
     p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
                    help="after warmup: constant, or cosine to 0.1 x --lr at --steps")  # fmt: skip
     p.add_argument("--warmup-steps", type=count, default=0, help="linear LR warmup steps")

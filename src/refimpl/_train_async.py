@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LRScheduler
 
+from refimpl._train_flags import sampler_entry
 from refimpl._train_sharded import trainer_state
 from refimpl.sharded import AsyncSaver
 
@@ -52,7 +53,7 @@ class AsyncSaves:
     ) -> None:
         """Wait for the save in flight, then start this one and return once it is staged."""
         self._wait()
-        state = trainer_state(sched, sampler_state, step)
+        state = trainer_state(sched, sampler_entry(args, sampler_state), step)
         self._saver.save(args.ckpt_dir, model, opt, step, keep_last=args.keep_last, state=state)
         if self._rank == 0:
             log(f"saving step {step} in the background")

@@ -20,8 +20,10 @@ import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LRScheduler
 
+from refimpl._train_flags import refuse, reset_lr, resume_problems, sampler_entry
+from refimpl._train_restorable import misfit
 from refimpl._train_schedule import check_restored, flat_schedule
-from refimpl.checkpoint import load_latest, save_checkpoint
+from refimpl.checkpoint import load_latest, save_checkpoint, step_dir_name
 from refimpl.data import ResumableSampler
 from refimpl.state import restore_state, unwrap_state_dict
 from refimpl.sync import main_process_first
@@ -40,7 +42,8 @@ def save(
     """Every rank captures its RNG, rank 0 writes the checkpoint, the others wait for it."""
     world = dist.get_world_size()
     # Every rank's RNG goes to rank 0 (each rank's dropout stream differs: keep all).
-    state = capture_every_rank(model, opt, scheduler=sched, sampler_state=sampler_state,
+    state = capture_every_rank(model, opt, scheduler=sched,
+                               sampler_state=sampler_entry(args, sampler_state),
                                epoch=int(sampler_state["epoch"]), step=step)  # fmt: skip
     # The other ranks wait here (not in the next step's all-reduce, under the training
     # timeout) and raise at once if rank 0's save fails: chapter 4.
@@ -62,28 +65,105 @@ def load(
     on_skip: Callable[[Path, str], None],
 ) -> int:
     """Restore the newest checkpoint on every rank, less ``--no-restore``; return its step
-    (0 without one); each step skipped goes to ``on_skip(step_dir, reason)``."""
+    (0 without one); each step skipped goes to ``on_skip(step_dir, reason)``.
+
+    A step that verifies but cannot be restored here (an entry that does not fit: an RNG
+    state of another size, a scheduler with other param groups; `refimpl._train_restorable`)
+    is skipped like a damaged one, on every rank, and the step before it is tried."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    below: int | None = None
     digest: dict[str, str] = {}
-    found = load_latest(args.ckpt_dir, map_location=device, on_skip=on_skip,
-                        on_load=lambda _, m: digest.update(d=manifest_digest(m)))  # fmt: skip
-    # Every rank reads the directory itself; on nodes without a shared filesystem (or with one
-    # that lags) they can see different steps, and would then silently train different models.
-    check_same_checkpoint(None if found is None else found[0], digest.get("d"),
-                          ckpt_dir=args.ckpt_dir)  # fmt: skip
-    if found is None:
-        return 0
-    state: dict[str, Any] = dict(found[1])
-    if "rng" in args.no_restore:
-        state["rng"] = None
-    optimizer = None if "optimizer" in args.no_restore else opt
-    info = restore_state(state, model, optimizer, scheduler=sched, rank=dist.get_rank(),
-                         world_size=dist.get_world_size())  # fmt: skip
-    check_restored(sched, opt, int(info["step"]), args.ckpt_dir, flat=flat_schedule(args))
-    if "data" not in args.no_restore:
-        sampler.load_state_dict(info["sampler"])
-    if info["world_size"] != dist.get_world_size():
+    while True:
+        digest.clear()
+        found = load_latest(args.ckpt_dir, map_location=device, on_skip=on_skip, below=below,
+                            on_load=lambda _, m: digest.update(d=manifest_digest(m)))  # fmt: skip
+        # Every rank reads the directory itself; on nodes without a shared filesystem (or with
+        # one that lags) they can see different steps, and would then train different models.
+        check_same_checkpoint(None if found is None else found[0], digest.get("d"),
+                              ckpt_dir=args.ckpt_dir)  # fmt: skip
+        if found is None:
+            return 0
+        step, state = found[0], dict(found[1])
+        if "rng" in args.no_restore:
+            state["rng"] = None
+        why = _every_rank(_misfit(args, state, model, opt, rank, world))
+        if why is None:
+            # Checked before anything is restored: a flag that contradicts the step names the fix.
+            problems = resume_problems(args, step, _base_lrs(state), _sampler(state))
+            refuse(problems, rank, args.ckpt_dir)
+            info, failed = _restore(args, state, model, opt, sched, sampler, rank, world)
+            why = _every_rank(failed)
+        if why is None:
+            break
+        on_skip(Path(args.ckpt_dir) / step_dir_name(step), f"verified, but {why}")
+        below = step  # the older steps, restored over whatever this one had set
+    if args.reset_lr:
+        reset_lr(args, sched, opt, step, log)
+    check_restored(sched, opt, step, args.ckpt_dir, flat=flat_schedule(args))
+    if info["world_size"] != world:
         log(f"checkpoint is from {info['world_size']} ranks: RNG streams start afresh")
-    return int(info["step"])
+    return step
+
+
+def _misfit(
+    args: argparse.Namespace,
+    state: Mapping[str, Any],
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    rank: int,
+    world: int,
+) -> str | None:
+    skip = args.no_restore
+    why = misfit(
+        state,
+        model,
+        opt,
+        rank=rank,
+        world_size=world,
+        restore_rng="rng" not in skip,
+        restore_optimizer="optimizer" not in skip,
+    )
+    return None if why is None else f"cannot be restored: {why}"
+
+
+def _restore(
+    args: argparse.Namespace,
+    state: Mapping[str, Any],
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: LRScheduler,
+    sampler: ResumableSampler,
+    rank: int,
+    world: int,
+) -> tuple[dict[str, Any], str | None]:
+    """Restore ``state``; return restore_state's info and what failed (None: nothing)."""
+    optimizer = None if "optimizer" in args.no_restore else opt
+    try:
+        info = restore_state(state, model, optimizer, scheduler=sched, rank=rank,
+                             world_size=world)  # fmt: skip
+        if "data" not in args.no_restore:
+            sampler.load_state_dict(info["sampler"])
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        return {}, f"cannot be restored on rank {rank} ({type(exc).__name__}: {exc})"
+    return info, None
+
+
+def _every_rank(mine: str | None) -> str | None:
+    """Collective: the first rank's reason to skip the step, or None when no rank has one."""
+    found: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, mine)
+    return next((why for why in found if why), None)
+
+
+def _base_lrs(state: Mapping[str, Any]) -> list[float] | None:
+    saved = state.get("scheduler")
+    base = saved.get("base_lrs") if isinstance(saved, Mapping) else None
+    return [float(lr) for lr in base] if isinstance(base, list) else None
+
+
+def _sampler(state: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    saved = state.get("sampler")
+    return saved if isinstance(saved, Mapping) else None
 
 
 def final_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -28,8 +28,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.optim.lr_scheduler import LRScheduler
 
+from refimpl._train_flags import refuse, reset_lr, resume_problems, sampler_entry
+from refimpl._train_restorable import scheduler_misfit
 from refimpl._train_resume import refuse_fresh_start
 from refimpl._train_schedule import check_restored, flat_schedule
+from refimpl.checkpoint import list_checkpoints, step_dir_name
 from refimpl.data import ResumableSampler
 from refimpl.sharded import ShardedCheckpointError, load_sharded, save_sharded
 
@@ -54,7 +57,8 @@ def seed_step(seed: int, rank: int, step: int) -> None:
 def trainer_state(
     sched: LRScheduler, sampler_state: Mapping[str, int], step: int
 ) -> dict[str, Any]:
-    """The ``state=`` of a save: equal on every rank, so each entry is shared (saved once)."""
+    """The ``state=`` of a save: equal on every rank, so each entry is shared (saved once).
+    ``sampler_state``: the trainer's sampler entry (`refimpl._train_flags.sampler_entry`)."""
     return {"step": step, "sampler": dict(sampler_state), "scheduler": sched}
 
 
@@ -68,7 +72,7 @@ def save(
     log: Callable[[str], None],
 ) -> None:
     """Collective: every rank writes its shard; rank 0 commits the step when all are durable."""
-    state = trainer_state(sched, sampler_state, step)
+    state = trainer_state(sched, sampler_entry(args, sampler_state), step)
     path = save_sharded(args.ckpt_dir, model, opt, step, keep_last=args.keep_last, state=state)
     if dist.get_rank() == 0:
         log(f"saved {path.name}")
@@ -101,14 +105,65 @@ def load(
         return 0
     if step is None:
         return 0
-    if state["step"] != step:
-        raise RuntimeError(
-            f"{args.ckpt_dir}: step_{step} holds trainer state of step {state['step']}"
-        )
+    why = _misfit(state, step, opt)
+    if why is not None:  # it verified, but does not fit: fall back as past a damaged step
+        found = _older(args, model, optimizer, opt, state, step, why, on_skip)
+        if found is None:
+            return 0  # the caller stops, with every step's reason
+        step = found
+    # The model is in memory, nothing is trained or written: refuse a flag that contradicts
+    # the step before the first step (the sampler's own seed check would say it in its words).
+    base_lrs = [float(lr) for lr in sched.base_lrs]
+    refuse(resume_problems(args, step, base_lrs, state["sampler"]), dist.get_rank(), args.ckpt_dir)
+    if args.reset_lr:
+        reset_lr(args, sched, opt, step, log)
     check_restored(sched, opt, step, args.ckpt_dir, flat=flat_schedule(args))
     if "data" not in args.no_restore:
         sampler.load_state_dict(state["sampler"])
     return step
+
+
+def _misfit(state: Mapping[str, Any], step: int, opt: torch.optim.Optimizer) -> str | None:
+    """Why the trainer state just loaded with ``step`` cannot be used, naming the entry."""
+    if state["step"] != step:
+        return f"its 'step' entry says {state['step']!r}"
+    sampler = state["sampler"]
+    if not isinstance(sampler, Mapping) or not all(
+        type(sampler.get(k)) is int for k in ("seed", "epoch", "position")
+    ):
+        return "its 'sampler' entry is not a sampler position (seed, epoch, position)"
+    return scheduler_misfit(state["scheduler"].state_dict(), opt)
+
+
+def _older(
+    args: argparse.Namespace,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    opt: torch.optim.Optimizer,
+    state: dict[str, Any],
+    step: int,
+    why: str,
+    on_skip: Callable[[Path, str], None],
+) -> int | None:
+    """Collective: report ``step`` as skipped, then load the newest older step that loads and
+    fits, one step directory at a time (rank 0's listing); return it, or None."""
+    root = Path(args.ckpt_dir)
+    on_skip(root / step_dir_name(step), f"verified, but cannot be restored: {why}")
+    listing: list[list[str] | None] = [None]
+    if dist.get_rank() == 0:
+        listing[0] = [str(d) for s, d in list_checkpoints(root) if s < step]
+    dist.broadcast_object_list(listing, src=0)
+    for step_dir in reversed(listing[0] or []):
+        try:
+            found = load_sharded(step_dir, model, optimizer, state=state)
+        except ShardedCheckpointError as err:
+            on_skip(Path(step_dir), err.reason)
+            continue
+        why_not = None if found is None else _misfit(state, found, opt)
+        if found is not None and why_not is None:
+            return found
+        on_skip(Path(step_dir), f"verified, but cannot be restored: {why_not}")
+    return None
 
 
 def final_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:

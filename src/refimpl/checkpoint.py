@@ -16,6 +16,10 @@ even when it re-saves that step and dies half-way; a state that could never be l
 refused before anything is written or pruned; a damaged newest step (EIO, a hostile manifest,
 a crafted file) makes `load_latest` fall back, never crash; and nothing is deleted that this
 code did not write or whose writer may still be alive.
+
+One run per directory: two jobs saving into one ``ckpt_dir`` re-save over and prune each
+other's steps. Hold `refimpl.dirlock.DirLock` on it for the run (``with DirLock(ckpt_dir):``
+around the load and every save); a second writer is then refused at its start.
 """
 
 from __future__ import annotations
@@ -284,6 +288,7 @@ def load_latest(
     on_skip: Callable[[Path, str], None] | None = None,
     map_location: Any = "cpu",
     on_load: Callable[[Path, dict[str, Any]], None] | None = None,
+    below: int | None = None,
 ) -> tuple[int, dict[str, Any]] | None:
     """The newest checkpoint in ``ckpt_dir`` that verifies, as ``(step, state)``; else None.
 
@@ -296,7 +301,8 @@ def load_latest(
     directory, is a `CheckpointError` that says which directory to pass instead.
     ``on_load(step_dir, manifest)``, if given, is called with the step returned and the
     manifest its files were verified against (`refimpl.trainstate.check_same_checkpoint`
-    compares its digest across ranks).
+    compares its digest across ranks). ``below`` considers only the steps older than it: the
+    way back past a step that verified but could not be restored (`refimpl.train` does this).
 
     Example::
 
@@ -310,6 +316,8 @@ def load_latest(
         _explain_empty(root)
         return None
     for step, step_dir in reversed(steps):
+        if below is not None and step >= below:
+            continue
         try:
             manifest, state = _load_verified(step_dir, None, map_location)
         except CheckpointError as exc:

@@ -24,6 +24,10 @@ sampler, per-rank RNG: `refimpl._sharded_state`) ride in the same commit as byte
 ``"state"`` and ``"state_rank<r>"``. A wrong path is an error, not a fresh start
 (`refimpl._sharded_paths`). Every function is called on every
 rank of the group (or without a process group, as a world of one).
+
+Hold `refimpl.dirlock.DirLock` on the checkpoint directory for the run (every rank enters it;
+rank 0 locks) around `load_sharded` and every save, `AsyncSaver`'s included: a second job
+started in the same directory is then refused at start instead of overwriting this one's steps.
 """
 
 from __future__ import annotations

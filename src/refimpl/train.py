@@ -15,6 +15,17 @@ last step and only rewrites the final weights. A start that finds committed step
 none of them (all damaged, or written by the other backend: ``--sharded`` forgotten or added)
 stops with the reasons instead of training from step 0 over them.
 
+One run per ``--ckpt-dir``: rank 0 holds `refimpl.dirlock.DirLock` on it from start to exit,
+so a second job started there (submitted twice, an old directory reused) stops at once,
+naming the holder's host and pid, and a directory that cannot be written is refused before
+the first step. A torchrun restart is the same job: its new rank 0 waits for the old one.
+
+A start whose ``--lr``, ``--steps``, ``--samples`` or ``--seed`` contradicts the step it
+resumes stops before training, naming the flag to pass (``--reset-lr`` applies a new rate
+instead and says so: `refimpl._train_flags`). A step that verifies but does not fit (an RNG
+state of another size, a scheduler with other param groups) is skipped like a damaged one,
+the reason logged (`refimpl._train_restorable`).
+
 ``--sharded`` swaps DDP for FSDP2 and rank 0's file for chapter 8's DCP checkpoints, which
 every rank writes in parallel and a restart at another world size reshards; the step, the
 sampler's position and the LR schedule travel in the checkpoint's ``state=``, and dropout is
@@ -67,6 +78,7 @@ from refimpl._train_resume import refuse_fresh_start
 from refimpl._train_schedule import make_scheduler
 from refimpl.atomic import atomic_save
 from refimpl.data import ResumableBatches, ResumableSampler
+from refimpl.dirlock import DirLock
 from refimpl.launch import init_from_env
 from refimpl.sync import barrier_safe
 
@@ -262,7 +274,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         bar = tqdm(total=args.steps, desc="train", file=sys.stderr, dynamic_ncols=True)
     try:
         log = _Log(info.rank, bar, times=args.log_times)
-        code = _train(args, info.rank, info.world_size, info.device, log)
+        # One run per --ckpt-dir: rank 0 holds its lock until the end; a second run (or a
+        # directory that cannot be written) is refused here, before anything is loaded.
+        with DirLock(args.ckpt_dir):
+            code = _train(args, info.rank, info.world_size, info.device, log)
     finally:
         _startup_gc.resume()  # if _train stopped before wrapping the model
         if bar is not None:
