@@ -1,4 +1,4 @@
-"""refimpl.ftcheckpoint: the batch of a committed step, and refimpl checkpoints that carry a
+"""refimpl.torchft_checkpoint: the batch of a committed step, and refimpl checkpoints that carry a
 torchft Manager's state (a fake manager here; tests/test_torchft_job.py runs the real one)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from refimpl.checkpoint import CheckpointError, list_checkpoints, save_checkpoint
-from refimpl.ftcheckpoint import (
+from refimpl.torchft_checkpoint import (
     MANAGER_KEY,
     batch_for_step,
     load_ft_checkpoint,

@@ -1,13 +1,13 @@
 """Chapter 12: one torchft replica group (one rank, gloo) training the book's model.
 
-Run by `refimpl.demos.ft_job`, one process per group, never by hand::
+Run by `refimpl.demos.torchft_job`, one process per group, never by hand::
 
-    python -m refimpl.demos.ft_replica --replica 1 --replicas 3 --lighthouse http://... \\
+    python -m refimpl.demos.torchft_replica --replica 1 --replicas 3 --lighthouse http://... \\
         --steps 40 --out DIR
 
 Each step: ``optimizer.zero_grad()`` joins the quorum (torchft's `OptimizerWrapper`; the
 quorum is synchronous here, so a healing group has its peer's weights before its forward
-pass), the batch is `refimpl.ftcheckpoint.batch_for_step` of the committed step, DDP's
+pass), the batch is `refimpl.torchft_checkpoint.batch_for_step` of the committed step, DDP's
 all-reduce goes through the Manager's fault-tolerant gloo group, and ``optimizer.step()``
 steps only if ``should_commit()`` says the step was clean. Every line it prints is one
 ``write``, flushed: ``[replica R] step S participants P commit C t T`` per step (S the
@@ -35,7 +35,7 @@ __all__ = ["main", "parse_args"]
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The replica's command line (see the module docstring)."""
-    p = argparse.ArgumentParser(prog="python -m refimpl.demos.ft_replica")
+    p = argparse.ArgumentParser(prog="python -m refimpl.demos.torchft_replica")
     p.add_argument("--replica", type=int, required=True, help="this group's index")
     p.add_argument("--replicas", type=int, required=True, help="the most groups of the job")
     p.add_argument("--lighthouse", required=True, help="the Lighthouse's address")
@@ -147,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torchft import Manager, Optimizer, ProcessGroupGloo
 
     from refimpl.atomic import atomic_save
-    from refimpl.ftcheckpoint import batch_for_step, load_ft_checkpoint, save_ft_checkpoint
+    from refimpl.torchft_checkpoint import batch_for_step, load_ft_checkpoint, save_ft_checkpoint
     from refimpl.train import make_data, make_model
 
     torch.set_num_threads(1)
