@@ -19,9 +19,9 @@ job's first step; torchft: the replacement's first committed step). Counting fro
 keeps a job whose repair takes longer than ``T`` from being killed before it makes any
 progress (a restart-based job does exactly that when failures come faster than it restarts).
 Each (approach, T) runs ``--repeats`` times, interleaved with the failure-free runs of every
-approach (the floors), so each ratio compares runs made minutes apart on the
-same machine. Reported per run: wall time from launch to exit, kills, optimizer steps lost
-(restart: steps past the checkpoint that the restart trains again; torchft: step attempts
+approach (the floors), so each ratio compares runs made minutes apart on the same machine.
+Reported per run: wall time from launch to the last optimizer step, kills, optimizer steps
+lost (restart: steps past the checkpoint that the restart trains again; torchft: step attempts
 refused), the time from each kill to the killed worker's return (its first trained step),
 and the step efficiency: the failure-free run's median wall time over this run's. The
 per-failure cost is the extra wall time over the failure-free median, divided by the kills.
@@ -126,7 +126,9 @@ def run_restart(
         if "Failed to parse reply file" not in (work / "stderr.txt").read_text():
             raise RuntimeError(f"{cmd} exited with {code}; see {work / 'stderr.txt'}")
         state["agent_crashes"] += 1
-    wall = time.monotonic() - launched
+    # to the last optimizer step, not the exit: the final weights and teardown are not steps
+    last = [t for t, x in lines if (m := _STEP.match(x)) and int(m[1]) == args.steps]
+    wall = min(last) - launched
     lost, returns = 0, []
     for t_kill in kills:
         before = [int(m[1]) for t, x in lines if t < t_kill and (m := _STEP.match(x))]
@@ -182,7 +184,10 @@ def _launch(
                 back = [t for t in steps if not kills or t > kills[-1]]  # trained since
                 if state["next_kill"] is None and back and interval:
                     state["next_kill"] = back[0] + interval
-                if state["next_kill"] is not None and time.monotonic() >= state["next_kill"]:
+                with lock:
+                    done = any((m := _STEP.match(x)) and int(m[1]) >= args.steps for _, x in lines)
+                due = state["next_kill"] is not None and time.monotonic() >= state["next_kill"]
+                if due and not done:  # after the last step there is nothing left to lose
                     pid = _worker(proc.pid, len(kills) % 2)
                     if pid is not None:
                         kills.append(time.monotonic())
@@ -200,7 +205,7 @@ def _launch(
 
 def run_torchft(work: Path, args: argparse.Namespace, *, interval: float | None) -> dict[str, Any]:
     """One torchft job of two groups, a group SIGKILLed every ``interval`` s of training."""
-    launched = time.monotonic()
+    launched = time.time()
     job = run_ft_job(
         work,
         replicas=2,
@@ -211,7 +216,10 @@ def run_torchft(work: Path, args: argparse.Namespace, *, interval: float | None)
         save_every=args.save_every,
         timeout_s=args.timeout,
     )
-    wall = time.monotonic() - launched
+    # to the last committed step, not the exit: a replacement still starting when the job
+    # is done only has to notice that and leave
+    last = [x.t for x in job.step_lines() if x.committed and x.step == args.steps - 1]
+    wall = min(last) - launched
     return {
         "wall_s": wall,
         "kills": len(job.kills),
@@ -268,9 +276,10 @@ def figure(data: dict[str, Any]) -> Any:
     fig = Figure(figsize=(10, 3.8))
     ax1, ax2 = fig.subplots(1, 2)
     intervals = data["config"]["intervals"]
-    width = 0.8 / len(APPROACHES)
-    for i, name in enumerate(APPROACHES):
-        xs = [j + (i - 1) * width for j in range(len(intervals))]
+    names = [a for a in APPROACHES if a in data["summary"]]
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(intervals))]
         for ax, key in ((ax1, "efficiency"), (ax2, "return_s")):
             stats = [data["summary"][name][str(t)][key] for t in intervals]
             med = [s["median"] if s else 0.0 for s in stats]
@@ -321,6 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--intervals", default="5,10,20", help="seconds between kills, comma-separated")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--approaches", default=",".join(APPROACHES), help="a comma-separated subset")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     p.add_argument(
         "--no-chaos",
@@ -330,6 +340,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     intervals = [float(x) for x in args.intervals.split(",")]
+    approaches = [a for a in APPROACHES if a in args.approaches.split(",")]
+    if not approaches:
+        p.error(f"--approaches: none of {args.approaches!r} is one of {','.join(APPROACHES)}")
     out = Path(args.out)
     load_before = os.getloadavg()
     started = time.time()
@@ -337,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-torchft-") as tmp:
         for repeat in range(args.repeats):
             for interval in [None, *intervals]:
-                for approach in APPROACHES:
+                for approach in approaches:
                     row = _one(approach, Path(tmp) / approach, args, interval)
                     rows.append({**row, "repeat": repeat})
                     print(
@@ -350,10 +363,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         a: statistics.median(
             r["wall_s"] for r in rows if r["approach"] == a and r["interval_s"] is None
         )
-        for a in APPROACHES
+        for a in approaches
     }
     summary: dict[str, Any] = {}
-    for a in APPROACHES:
+    for a in approaches:
         summary[a] = {
             "failure_free_train_s": summarize(
                 [r["train_s"] for r in rows if r["approach"] == a and r["interval_s"] is None]
