@@ -253,13 +253,16 @@ def crossover(o: float, c_ft: float, c_save: float, r: float) -> float | None:
 
     Restart: Young's first-order waste at the best interval, sqrt(2 C lambda) + R lambda;
     torchft: a fixed per-step overhead ``o`` (a fraction) plus ``c_ft`` seconds per failure.
-    None when torchft never wins in 1e-9..1 failures per second.
+    Searched over 1e-9..1 failures per second: 0.0 when torchft wastes no more at every rate
+    there (an overhead ``o`` <= 0), None when it never wastes less.
     """
 
     def gap(lam: float) -> float:
         return float((o + c_ft * lam) - ((2 * c_save * lam) ** 0.5 + r * lam))
 
     lams = [10 ** (-9 + 9 * i / 2000) for i in range(2001)]
+    if gap(lams[0]) <= 0:
+        return 0.0
     for a, b in itertools.pairwise(lams):
         if gap(a) > 0 >= gap(b):
             for _ in range(60):  # bisection
