@@ -1,0 +1,47 @@
+"""refimpl.demos.torchft_job: a torchft job of replica groups on this machine, one killed mid-step.
+
+The survivors keep committing steps with a smaller quorum, the replacement heals from a peer
+(no checkpoint: the job has no checkpoint directory) and every group ends with the same
+weights. Nothing is left running, whether the job finishes or runs out of time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from _torchft_helpers import replicas_running
+
+from refimpl.demos.torchft_job import (
+    final_weights,
+    max_difference,
+    replay_weights,
+    run_ft_job,
+    sample_counts,
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_killed_group_is_replaced_and_heals_while_the_others_step(tmp_path: Path) -> None:
+    job = run_ft_job(tmp_path, replicas=3, steps=12, die=(1, 4), hold_rejoin_at=8, timeout_s=180)
+    assert job.quorum_runs() == [(0, 3, [0, 1, 2]), (4, 7, [0, 2]), (8, 11, [0, 1, 2])]
+    assert sorted(job.aborted()) == [(4, 0), (4, 2)]  # the step the kill hit, refused
+    assert job.heals() == [(1, 0, 8)]  # from a peer: no checkpoint directory exists
+    assert not any(p.is_dir() for p in tmp_path.iterdir() if p.name != "gates")
+    weights = final_weights(job)
+    assert sorted(weights) == [0, 1, 2]
+    assert all(max_difference(weights[0], weights[r]) == 0.0 for r in (1, 2))
+    assert max_difference(weights[0], replay_weights(job)) < 1e-5
+    assert max_difference(weights[0], replay_weights(job, every_group=True)) > 1e-3
+    counts = sample_counts(job)  # 12 steps of 3 x 8 = 2 epochs of 144 samples
+    assert {e: set(c.values()) for e, c in counts.items()} == {0: {1}, 1: {1}}
+    assert [len(c) for c in counts.values()] == [144 - 2 * 8, 144 - 2 * 8]
+    assert replicas_running(tmp_path) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_job_out_of_time_is_killed_whole(tmp_path: Path) -> None:
+    with pytest.raises(TimeoutError, match="did not finish in time"):
+        run_ft_job(tmp_path, replicas=2, steps=10_000, step_sleep=0.5, timeout_s=2)
+    assert replicas_running(tmp_path) == []
