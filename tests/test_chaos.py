@@ -226,3 +226,42 @@ def test_a_reference_reused_is_compared_and_not_run_again(tmp_path: Path) -> Non
     assert main(["--kill-on", "^started$", "--compare", "w.safetensors", "--scenarios",
                  "kill-rank1", "--reference", str(first / "reference"), "--",
                  *_py(_STAMPS_ITS_RUN)]) == 0  # fmt: skip
+
+
+# A job script's wrapper (``run.sh``, ``uv run``) around a torchrun-like launcher, in a job
+# whose scheduler exported RANK=1 (Kubernetes, SLURM, MPI): the wrapper and the launcher
+# inherit it; the launcher gives its workers RANK=0 and RANK=1 and a run id, as torchrun
+# does, restarts a worker killed by a signal once, then writes w.safetensors.
+_WRAPPED_LAUNCHER = """
+    import subprocess, sys, textwrap
+    launcher = textwrap.dedent('''
+        import json, os, struct, subprocess, sys
+        def start(rank):
+            env = {**os.environ, "RANK": str(rank), "TORCHELASTIC_RUN_ID": "job"}
+            return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"],
+                                    env=env)
+        ranks = [start(0), start(1)]
+        print("started", flush=True)
+        for r, worker in enumerate(ranks):
+            if worker.wait() != 0:
+                print(f"worker {r} died: restarted", flush=True)
+                start(r).wait()
+        head = json.dumps({"w": {"dtype": "F32", "shape": [1],
+                                 "data_offsets": [0, 4]}}).encode()
+        with open(os.path.join(sys.argv[1], "w.safetensors"), "wb") as f:
+            f.write(struct.pack("<Q", len(head)) + head + struct.pack("<f", 1.0))
+    ''')
+    sys.exit(subprocess.call([sys.executable, "-c", launcher, sys.argv[1]]))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_an_exported_rank_does_not_make_the_wrapper_or_launcher_a_worker(
+    tmp_path: Path,
+) -> None:
+    rows = run_chaos(_py(_WRAPPED_LAUNCHER), kill_on="^started$", compare="w.safetensors",
+                     scenarios=["kill-rank1"], timeout_s=30, work=tmp_path,
+                     env={"RANK": "1"}, resume_on="died: restarted")  # fmt: skip
+    (row,) = rows
+    assert (row.equal, row.difference) == (True, None), row
+    assert row.resume == "worker 1 died: restarted", row  # the worker, not the launcher

@@ -56,23 +56,40 @@ def descendants(root: int) -> list[int]:
     return out
 
 
-def workers(root: int, until: Callable[[dict[int, int]], bool] | None = None) -> dict[int, int]:
-    """``{rank: pid}`` of the topmost descendants of ``root`` whose environment has ``RANK``.
+def _env_value(environ: list[bytes], name: bytes) -> bytes | None:
+    prefix = name + b"="
+    return next((item[len(prefix) :] for item in environ if item.startswith(prefix)), None)
 
-    Topmost: a worker's own children (data loader workers) inherit ``RANK`` too, and come
-    after their parent in `descendants`' order, so the first pid seen for a rank is the
-    worker itself. With ``until``, looks again for up to a second until ``until(found)``:
-    a process inside ``execve`` shows an empty ``/proc/PID/environ`` for a moment (the
-    kernel sets the new environment up after the old image is gone), so one look can miss a
-    worker that exists (CI saw "no process with RANK=1" once, under load).
+
+def workers(root: int, until: Callable[[dict[int, int]], bool] | None = None) -> dict[int, int]:
+    """``{rank: pid}`` of the launcher's workers among the descendants of ``root``.
+
+    A worker is a process whose ``RANK`` its parent did not give it: its value differs from
+    the parent's (or the parent has none), or it carries ``TORCHELASTIC_RUN_ID`` and its
+    parent does not (torchrun sets both for its workers only). A ``RANK`` that a job script
+    exported (Kubernetes, SLURM, MPI) is inherited unchanged by the wrappers and the
+    launcher, so they are not taken for workers; a worker's own children (data loader
+    workers) inherit its ``RANK`` and run id, so they are not either. With ``until``, looks
+    again for up to a second until ``until(found)``: a process inside ``execve`` shows an
+    empty ``/proc/PID/environ`` for a moment (the kernel sets the new environment up after
+    the old image is gone), so one look can miss a worker that exists (CI saw "no process
+    with RANK=1" once, under load).
     """
     deadline = time.monotonic() + (1.0 if until is not None else 0.0)
     while True:
         found: dict[int, int] = {}
         for pid in descendants(root):
-            for item in _environ(pid):
-                if item.startswith(b"RANK=") and item[5:].isdigit():
-                    found.setdefault(int(item[5:]), pid)
+            environ = _environ(pid)
+            rank = _env_value(environ, b"RANK")
+            if rank is None or not rank.isdigit() or (st := _stat(pid)) is None:
+                continue
+            parent = _environ(st[1])
+            run_id = _env_value(environ, b"TORCHELASTIC_RUN_ID")
+            given = _env_value(parent, b"RANK") != rank or (
+                run_id is not None and _env_value(parent, b"TORCHELASTIC_RUN_ID") is None
+            )
+            if given:
+                found.setdefault(int(rank), pid)
         if until is None or until(found) or time.monotonic() >= deadline:
             return found
         time.sleep(0.05)

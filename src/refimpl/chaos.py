@@ -9,8 +9,9 @@
 The command runs once uninterrupted (the reference), then once per scenario, each time with
 ``{out}`` (anywhere in its arguments) replaced by a fresh directory:
 
-- ``kill-rank1``: SIGKILL the worker whose environment has ``RANK=1`` at the first line
-  matching ``--kill-on``; torchrun restarts the workers (give it ``--max-restarts``);
+- ``kill-rank1``: SIGKILL the worker the launcher gave ``RANK=1`` at the first line
+  matching ``--kill-on`` (a ``RANK`` a job script exported, inherited unchanged by a wrapper
+  and the launcher, does not count); torchrun restarts the workers (give it ``--max-restarts``);
 - ``kill-rank0-save``: SIGKILL rank 0 at the first line matching ``--save-on`` (print one
   just before a save starts, so the kill lands in it); only with ``--save-on``;
 - ``kill-job``: SIGKILL every process of the command at ``--kill-on``, then run it again;
