@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 from _chaos_helpers import tagged_pids
 
+from refimpl import chaos
 from refimpl._chaos_compare import first_difference, flatten, load_flat
 from refimpl.chaos import ChaosError, main, run_chaos
 
@@ -265,3 +267,27 @@ def test_an_exported_rank_does_not_make_the_wrapper_or_launcher_a_worker(
     (row,) = rows
     assert (row.equal, row.difference) == (True, None), row
     assert row.resume == "worker 1 died: restarted", row  # the worker, not the launcher
+
+
+@pytest.mark.timeout(60)
+def test_a_kill_that_lands_after_the_command_ended_is_a_miss_not_a_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A --kill-on that matches the trainer's last line: the kill can arrive after the
+    # command exited. The action here waits until it has, so the race always goes that way.
+    real = chaos._kill_job
+
+    def late(root: int, token: str) -> str | None:
+        while (stat := Path(f"/proc/{root}/stat")).exists() and " Z " not in stat.read_text():
+            time.sleep(0.01)
+        return real(root, token)
+
+    monkeypatch.setattr(chaos, "_kill_job", late)
+    code = _LEAVES_ORPHAN + "\n    print('all done', flush=True)\n"
+    (row,) = run_chaos(_py(code), kill_on="^all done$", compare="w.safetensors",
+                       scenarios=["kill-job"], timeout_s=30, work=tmp_path)  # fmt: skip
+    assert not row.equal, row
+    assert row.difference is not None and row.difference.startswith(
+        "the kill missed: the command had already ended (exit code 0) when its line 2 of 2, "
+        "'all done', arrived; pick a --kill-on line printed mid-run, such as 'started'"
+    ), row.difference

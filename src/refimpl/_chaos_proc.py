@@ -156,6 +156,8 @@ def run_once(
             if trigger is None or run.fired is not None or not trigger.search(line):
                 continue
             run.fired, run.fired_at = line.rstrip("\n"), len(run.lines) - 1
+            if proc.returncode is not None:  # ended and reaped: its pid may be another's now
+                continue
             if action is not None and (why := action(proc.pid, token)) is not None:
                 run.action_error = why
                 kill_run(proc.pid, token)

@@ -14,7 +14,8 @@ The command runs once uninterrupted (the reference), then once per scenario, eac
   and the launcher, does not count); torchrun restarts the workers (give it ``--max-restarts``);
 - ``kill-rank0-save``: SIGKILL rank 0 at the first line matching ``--save-on`` (print one
   just before a save starts, so the kill lands in it); only with ``--save-on``;
-- ``kill-job``: SIGKILL every process of the command at ``--kill-on``, then run it again;
+- ``kill-job``: SIGKILL every process of the command at ``--kill-on``, then run it again (a
+  command that had ended before the kill landed fails the row: "the kill missed");
 - ``sigterm-job``: SIGTERM every worker at ``--kill-on`` (a preemption), then run it again.
 
 Then ``FILE`` (relative to ``{out}``; a ``torch.save`` file, loaded weights-only, or a
@@ -237,7 +238,14 @@ def _row(name: str, runs: list[Run], path: Path, reference: dict[str, object],
     starts = sum(len(r.rank0_pids) for r in runs)
     last = runs[-1]
     difference: str | None
-    if last.returncode is None:
+    if name == "kill-job" and first.returncode != -signal.SIGKILL:
+        n = len(first.lines)
+        difference = (
+            f"the kill missed: the command had already ended (exit code {first.returncode}) "
+            f"when its line {first.fired_at + 1} of {n}, {first.fired!r}, arrived; pick a "
+            f"--kill-on line printed mid-run, such as {first.lines[first.fired_at // 2]!r}"
+        )
+    elif last.returncode is None:
         difference = f"still running after the timeout (killed); last line: {_tail(last.lines, 1)}"
     elif last.returncode != 0:
         difference = f"exited {last.returncode} after the kill; last line: {_tail(last.lines, 1)}"
