@@ -142,7 +142,7 @@ def test_comparison_is_bit_for_bit_and_names_the_key(tmp_path: Path) -> None:
     assert first_difference(load_flat(tmp_path / "a.pt"), flatten(ref)) is None
     moved = {"model": {"w": torch.tensor([1.0, 1.5, 1.0]), "b": [torch.zeros(2), 5]}, "step": 3}
     assert first_difference(flatten(ref), flatten(moved)) == "model.w: max abs diff 0.5"
-    assert first_difference(flatten(ref), flatten({**ref, "step": 4})) == "step: 3 vs 4"
+    assert first_difference(flatten(ref), flatten({**ref, "step": 4})) == "step: int 3 vs int 4"
     signed = first_difference({"x": torch.tensor(0.0)}, {"x": torch.tensor(-0.0)})
     assert signed == "x: max abs diff 0"  # equal as numbers, different bits
     assert first_difference({"x": 1}, {}) == "x: missing (the reference has it)"
@@ -150,6 +150,31 @@ def test_comparison_is_bit_for_bit_and_names_the_key(tmp_path: Path) -> None:
     (tmp_path / "bad.safetensors").write_bytes(b"x")
     with pytest.raises(ValueError, match=r"bad\.safetensors does not load: SafetensorError"):
         load_flat(tmp_path / "bad.safetensors")
+
+
+@pytest.mark.timeout(30)
+def test_comparison_tells_apart_what_equality_confuses() -> None:
+    def differ(a: object, b: object) -> str | None:
+        return first_difference(flatten(a), flatten(b))
+
+    nan = float("nan")
+    assert differ({"loss": nan}, {"loss": nan}) is None  # same bits, though nan != nan
+    assert differ({"x": 0.0}, {"x": -0.0}) == "x: float 0.0 vs float -0.0"
+    assert differ({"n": 1}, {"n": True}) == "n: int 1 vs bool True"
+    assert differ({1: torch.ones(1)}, {"1": torch.ones(1)}) == (
+        "(top level): dict of 1 vs dict of 1; keys in one only: '1', 1"
+    )
+    assert differ({"a": {"b": 1}}, {"a.b": 1}) == (
+        "(top level): dict of 1 vs dict of 1; keys in one only: 'a', 'a.b'"
+    )
+    assert (
+        differ({"a": [1]}, {"a": {"0": 1}}) == "a: list of 1 vs dict of 1; keys in one only: '0', 0"
+    )
+    assert differ({"a": (1, 2)}, {"a": [1, 2]}) == "a: tuple of 2 vs list of 2"
+    with pytest.raises(ValueError, match=r"two entries flatten to the key 'a\.b'"):
+        flatten({"a.b": 1, "a": {"b": 2}})
+    with pytest.raises(ValueError, match=r"two entries flatten to the key '1'"):
+        flatten({1: 1, "1": 2})
 
 
 @pytest.mark.timeout(60)
