@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -238,7 +239,7 @@ def test_a_reference_reused_is_compared_and_not_run_again(tmp_path: Path) -> Non
                      scenarios=["kill-rank1"], timeout_s=30, work=again,
                      reference=first / "reference")  # fmt: skip
     assert [(r.scenario, r.equal) for r in rows] == [("kill-rank1", True)]
-    assert sorted(p.name for p in again.iterdir()) == ["kill-rank1"]  # no second reference
+    assert sorted(p.name for p in again.iterdir()) == ["kill-rank1", "kill-rank1.logs"]  # no ref
     # A reference that differs is caught: the comparison really uses the file given.
     other = tmp_path / "other"
     other.mkdir()
@@ -316,3 +317,136 @@ def test_a_kill_that_lands_after_the_command_ended_is_a_miss_not_a_pass(
         "the kill missed: the command had already ended (exit code 0) when its line 2 of 2, "
         "'all done', arrived; pick a --kill-on line printed mid-run, such as 'started'"
     ), row.difference
+
+
+# A stand-in for torchrun (starts in a fraction of a second): two workers with RANK and a run
+# id, whose stderr it passes on with the rank prefix chaos asks torchrun for; a worker killed
+# by a signal is started again with RESTARTED=1. A restarted worker does what WORKER says.
+_MINI_TORCHRUN = """
+    import os, subprocess, sys, threading
+    worker_code = sys.argv[2]
+    def pump(rank, stream):
+        for line in stream:
+            sys.stdout.write(f"[rank{rank}]:{line}"); sys.stdout.flush()
+    def start(rank, restarted):
+        env = {**os.environ, "RANK": str(rank), "TORCHELASTIC_RUN_ID": "job",
+               "TORCHELASTIC_RESTART_COUNT": str(restarted), "RESTARTED": str(restarted)}
+        w = subprocess.Popen([sys.executable, "-c", worker_code], env=env,
+                             stderr=subprocess.PIPE, text=True)
+        threading.Thread(target=pump, args=(rank, w.stderr), daemon=True).start()
+        return w
+    ranks = [start(0, 0), start(1, 0)]
+    print("started", flush=True)
+    codes = [w.wait() for w in ranks]
+    if any(c < 0 for c in codes):
+        print("restarting the workers", flush=True)
+        codes = [w.wait() for w in [start(0, 1), start(1, 1)]]
+    sys.exit(max(codes))
+"""
+
+
+def _mini_torchrun(worker: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(_MINI_TORCHRUN), "{out}",
+            textwrap.dedent(worker)]  # fmt: skip
+
+
+@pytest.mark.timeout(90)
+def test_a_restart_that_stalls_ends_with_each_ranks_stack_and_the_known_cause(
+    tmp_path: Path,
+) -> None:
+    # The restarted workers wait forever inside a function named init_process_group, as a
+    # trainer that builds its own group under torchrun waits for the killed attempt's peers.
+    worker = """
+        import os, time
+        def init_process_group():
+            time.sleep(300)
+        if os.environ["RESTARTED"] == "1":
+            init_process_group()
+        time.sleep(1)
+    """
+    tag = uuid.uuid4().hex
+    (tmp_path / "ref").mkdir()
+    torch.save({"w": torch.ones(1)}, tmp_path / "ref" / "w.pt")
+    work = tmp_path / "work"
+    (row,) = run_chaos(_mini_torchrun(worker), kill_on="^started$", compare="w.pt",
+                       scenarios=["kill-rank1"], timeout_s=80, stall_s=3, work=work,
+                       reference=tmp_path / "ref", env={"CHAOS_TEST_TAG": tag})  # fmt: skip
+    assert not row.equal and row.difference is not None and row.detail is not None
+    assert row.difference.startswith(
+        "stalled after the kill: no output for 3 s; ranks 0, 1 running, in restart 1 of the workers"
+    ), row.difference
+    for rank in (0, 1):  # each rank's own stack, from faulthandler, innermost frame first
+        stack = row.detail.split(f"rank {rank} (its Python stack, innermost first):\n")[1]
+        assert stack.splitlines()[0].strip().endswith("in init_process_group"), stack
+    assert "Known cause: the trainer creates its own process group" in row.detail
+    assert "--env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in row.detail.replace("\n", " ")
+    assert "refimpl.launch.init_from_env()" in row.detail.replace("\n", " ")
+    assert row.log == str(work / "kill-rank1.logs")
+    kept = (work / "kill-rank1.logs" / "output-1.log").read_text()
+    assert "restarting the workers" in kept and "Fatal Python error: Aborted" in kept
+    assert tagged_pids(tag) == []
+
+
+@pytest.mark.timeout(90)
+def test_a_failed_restart_shows_the_failing_ranks_traceback_and_keeps_the_logs(
+    tmp_path: Path,
+) -> None:
+    worker = """
+        import os, time
+        def load_checkpoint():
+            raise RuntimeError("cannot resume: ckpt.pt has no key 'optimizer'")
+        if os.environ["RESTARTED"] == "1" and os.environ["RANK"] == "1":
+            load_checkpoint()
+        time.sleep(1)
+    """
+    (tmp_path / "ref").mkdir()
+    torch.save({"w": torch.ones(1)}, tmp_path / "ref" / "w.pt")
+    work = tmp_path / "work"
+    (row,) = run_chaos(_mini_torchrun(worker), kill_on="^started$", compare="w.pt",
+                       scenarios=["kill-rank1"], timeout_s=80, work=work,
+                       reference=tmp_path / "ref")  # fmt: skip
+    assert row.difference == (
+        "exited 1 after the kill; rank 1: RuntimeError: cannot resume: ckpt.pt has no key "
+        "'optimizer'"
+    ), row.difference
+    assert row.detail is not None and row.detail.startswith("    (rank 1's traceback)\n"), row
+    assert row.detail.splitlines()[-2:] == [
+        '      File "<string>", line 4, in load_checkpoint',
+        "    RuntimeError: cannot resume: ckpt.pt has no key 'optimizer'",
+    ], row.detail
+    assert (work / "kill-rank1.logs" / "output-1.log").is_file()
+    # The command line: the report below the table shows the traceback and names the logs.
+    cli = tmp_path / "cli"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    done = subprocess.run(
+        [sys.executable, "-m", "refimpl.chaos", "--kill-on", "^started$", "--compare", "w.pt",
+         "--scenarios", "kill-rank1", "--reference", str(tmp_path / "ref"), "--work", str(cli),
+         "--", *_mini_torchrun(worker)],
+        capture_output=True, text=True, env=env, timeout=80,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "(rank 1's traceback)" in done.stdout and "in load_checkpoint" in done.stdout
+    assert f"logs: {cli / 'kill-rank1.logs'}" in done.stdout
+    # A reference run that fails shows the trainer's traceback, not the launcher's last lines.
+    with pytest.raises(ChaosError) as err:
+        run_chaos(_mini_torchrun(worker.replace('"1" and', '"0" and')), kill_on="^never$",
+                  compare="w.pt", timeout_s=60)  # fmt: skip
+    message = str(err.value)
+    assert "failed (exit code 1) before the kill" in message
+    assert "(rank 1's traceback)" in message and "cannot resume" in message
+    assert "(the runs' logs are kept under " in message
+    kept = Path(message.rsplit("kept under ", 1)[1].rstrip(")"))
+    assert (kept / "reference.logs" / "output-1.log").is_file()
+    shutil.rmtree(kept)
+
+
+@pytest.mark.timeout(60)
+def test_env_adds_variables_to_every_run(tmp_path: Path) -> None:
+    needs = "import os, sys\nif os.environ.get('FOO') != 'bar=baz': sys.exit(5)\n"
+    code = needs + textwrap.dedent(_LEAVES_ORPHAN)
+    args = ["--kill-on", "^started$", "--compare", "w.safetensors", "--scenarios", "kill-job"]
+    assert main([*args, "--", sys.executable, "-c", code, "{out}"]) == 2  # FOO unset: exit 5
+    assert main([*args, "--env", "FOO=bar=baz", "--work", str(tmp_path), "--", sys.executable,
+                 "-c", code, "{out}"]) == 0  # fmt: skip
+    with pytest.raises(SystemExit):
+        main([*args, "--env", "FOO", "--", sys.executable, "-c", code, "{out}"])
