@@ -18,7 +18,7 @@ import torch
 from _chaos_helpers import tagged_pids
 
 from refimpl import chaos
-from refimpl._chaos_compare import first_difference, flatten, load_flat
+from refimpl._chaos_compare import first_difference, flatten, load_flat, summary
 from refimpl.chaos import ChaosError, main, run_chaos
 
 
@@ -450,3 +450,50 @@ def test_env_adds_variables_to_every_run(tmp_path: Path) -> None:
                  "-c", code, "{out}"]) == 0  # fmt: skip
     with pytest.raises(SystemExit):
         main([*args, "--env", "FOO", "--", sys.executable, "-c", code, "{out}"])
+
+
+@pytest.mark.timeout(60)
+def test_dcp_directories_compare_bit_for_bit(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {"w": torch.arange(4.0), "b": torch.zeros(2)}, "step": 3}
+    for name, w in (("a", state), ("b", state), ("c", {**state, "step": 4})):
+        dcp.save(w, checkpoint_id=tmp_path / name, no_dist=True)
+    a = load_flat(tmp_path / "a")
+    assert first_difference(a, load_flat(tmp_path / "b")) is None
+    assert first_difference(a, load_flat(tmp_path / "c")) == "step: int 3 vs int 4"
+    moved = {"model": {"w": torch.arange(4.0) + 0.5, "b": torch.zeros(2)}, "step": 3}
+    dcp.save(moved, checkpoint_id=tmp_path / "d", no_dist=True)
+    assert first_difference(a, load_flat(tmp_path / "d")) == "model.w: max abs diff 0.5"
+    assert summary(a) == "2 tensors (24 bytes) and 1 other values"
+    (tmp_path / "e").mkdir()
+    with pytest.raises(ValueError, match=r"e is a directory without a DCP \.metadata file"):
+        load_flat(tmp_path / "e")
+
+
+# A trainer whose result records its own output directory: it differs in every run.
+_RECORDS_ITS_PATH = """
+    import sys, time, torch
+    print("started", flush=True)
+    time.sleep(0.5)
+    torch.save({"w": torch.ones(2), "out_dir": sys.argv[1], "when": {"t": time.time()}},
+               sys.argv[1] + "/final.pt")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_ignore_leaves_out_the_keys_that_legitimately_differ(tmp_path: Path) -> None:
+    (tmp_path / "ref").mkdir()
+    torch.save({"w": torch.ones(2), "out_dir": "/elsewhere", "when": {"t": 1.0}},
+               tmp_path / "ref" / "final.pt")  # fmt: skip
+    kw = {"kill_on": "^started$", "compare": "final.pt", "scenarios": ["kill-job"],
+          "timeout_s": 60, "reference": tmp_path / "ref"}  # fmt: skip
+    (row,) = run_chaos(_py(_RECORDS_ITS_PATH), **kw)
+    assert row.difference is not None and row.difference.startswith(
+        "out_dir: str '/elsewhere' vs str '/"
+    ), row.difference
+    (row,) = run_chaos(_py(_RECORDS_ITS_PATH), ignore=["out_dir", "wh.*"], **kw)
+    assert (row.equal, row.difference) == (True, None), row
+    assert row.compared == "1 tensors (8 bytes) and 0 other values, 2 ignored"
+    with pytest.raises(ChaosError, match=r"--ignore 'outdir' matches no key of the reference"):
+        run_chaos(_py(_RECORDS_ITS_PATH), ignore=["outdir"], **kw)

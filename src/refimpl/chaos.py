@@ -62,7 +62,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from refimpl._argtypes import int_range
-from refimpl._chaos_compare import first_difference, load_flat
+from refimpl._chaos_compare import first_difference, load_flat, summary
 from refimpl._chaos_diagnose import (
     first_traceback,
     last_error,
@@ -100,7 +100,8 @@ class ChaosRow:
     ``resume_on`` after the kill, whether ``FILE`` is bit-identical to the reference's, and
     if not the first differing key with its max abs difference (or what went wrong); then
     the long explanation of a failure (the first failing rank's traceback, or where each rank
-    of a stalled restart was), and the directory holding the scenario's logs."""
+    of a stalled restart was), the directory holding the scenario's logs, and what the
+    comparison covered (tensors, their bytes, other values, ignored ones)."""
 
     scenario: str
     landed: str
@@ -111,6 +112,7 @@ class ChaosRow:
     seconds: float
     detail: str | None = None
     log: str | None = None
+    compared: str | None = None
 
 
 def _tail(lines: Sequence[str], n: int = 15) -> str:
@@ -179,6 +181,7 @@ def run_chaos(
     jobs: int = 1,
     reference: str | os.PathLike[str] | None = None,
     stall_s: float = 30.0,
+    ignore: Sequence[str] = (),
 ) -> list[ChaosRow]:
     """Run the reference, then each scenario of ``scenarios``; return one `ChaosRow` each.
 
@@ -201,6 +204,9 @@ def run_chaos(
     ``reference`` is the ``{out}`` directory of an earlier uninterrupted run of the same
     command (for example ``WORK/reference`` of a previous call): its ``compare`` file is the
     reference and no reference run is made. An empty ``scenarios`` runs only the reference.
+    ``ignore`` lists keys of ``compare`` (dotted, as the rows name them) or regular
+    expressions matching whole keys, left out of the comparison with everything under them
+    (a path, a timestamp); one that matches no key of the reference is an error.
     Without ``work``, the temporary directory is kept (and named in the rows and errors) when
     a scenario fails or the test cannot run.
     """
@@ -215,6 +221,7 @@ def run_chaos(
                                        for r in (kill_on, save_on, resume_on))  # fmt: skip
     except re.error as exc:
         raise ChaosError(f"not a regular expression: {exc.pattern!r} ({exc})") from exc
+    skip = _ignore_pattern(ignore)
     base = Path(work) if work is not None else Path(tempfile.mkdtemp(prefix="chaos-"))
     if work is not None and base.exists() and any(base.iterdir()):
         raise ChaosError(f"--work {base} is not empty: pick an empty or new directory")
@@ -266,7 +273,8 @@ def run_chaos(
                        else f"exited {ref.returncode}")  # fmt: skip
                 raise ChaosError(f"the reference run (no kill) {how}. Its last lines:\n"
                                  f"{_tail(ref.lines)}")  # fmt: skip
-            if save_re is not None and not any(save_re.search(ln) for ln in ref.lines):
+            texts = [split_rank(ln)[1] for ln in ref.lines]
+            if save_re is not None and not any(save_re.search(t) for t in texts):
                 raise ChaosError(f"the reference run printed no line matching --save-on "
                                  f"{save_on!r}. Its last lines:\n{_tail(ref.lines)}")  # fmt: skip
             try:
@@ -275,6 +283,14 @@ def run_chaos(
                 raise ChaosError(f"the reference run wrote no readable {compare} under {{out}} "
                                  f"({base / 'reference'}): {exc}") from exc  # fmt: skip
             silence[0] = max(stall_s, 2 * ref.max_gap_s)
+        for pattern in ignore:
+            one = _ignore_pattern([pattern])
+            if one is not None and not any(one.fullmatch(k) for k in expected if k):
+                raise ChaosError(
+                    f"--ignore {pattern!r} matches no key of the reference's "
+                    f"{compare} (its keys: {', '.join(k for k in expected if k)[:300]})"
+                )
+        covered = summary(expected, skip)
 
         def scenario(name: str) -> ChaosRow:
             on_save = name == "kill-rank0-save"
@@ -286,8 +302,8 @@ def run_chaos(
             _check_started(runs[0], f"scenario {name}", regex, flag, timeout_s)
             if name in _RERUN and runs[0].stalled is None:
                 runs.append(launch(name, stall=True, rerun=True))
-            row = _row(name, runs, base / name / compare, expected, resume_re)
-            row.log = str(base / f"{name}.logs")
+            row = _row(name, runs, base / name / compare, expected, resume_re, skip)
+            row.log, row.compared = str(base / f"{name}.logs"), covered
             if row.detail is not None and (hint := own_group_hint(runs[-1].lines, full_env)):
                 row.detail += "\n" + hint
             return row
@@ -308,6 +324,20 @@ def run_chaos(
             shutil.rmtree(base, ignore_errors=True)
 
 
+def _ignore_pattern(keys: Sequence[str]) -> re.Pattern[str] | None:
+    """One pattern for ``--ignore``'s keys: each matches as written or as a regex (whole)."""
+    if not keys:
+        return None
+    parts = [re.escape(k) for k in keys]
+    for k in keys:
+        try:
+            re.compile(k)
+        except re.error:
+            continue
+        parts.append(f"(?:{k})")
+    return re.compile("|".join(parts))
+
+
 def _diagnostic_env(log_dir: Path) -> dict[str, str]:
     """What chaos adds to a run's environment to explain a failure: torchrun tees each
     worker's stderr (not stdout: a tee is a tail of a file, later than the line) with a rank
@@ -325,7 +355,7 @@ def _last(lines: Sequence[str]) -> str:
 
 
 def _row(name: str, runs: list[Run], path: Path, reference: dict[str, object],
-         resume_re: re.Pattern[str] | None) -> ChaosRow:  # fmt: skip
+         resume_re: re.Pattern[str] | None, skip: re.Pattern[str] | None) -> ChaosRow:  # fmt: skip
     """Judge one scenario: how its last run ended, then its FILE against the reference."""
     first = runs[0]
     assert first.fired_at is not None
@@ -355,7 +385,7 @@ def _row(name: str, runs: list[Run], path: Path, reference: dict[str, object],
         detail = _tail(last.lines)
     else:
         try:
-            difference = first_difference(reference, load_flat(path))
+            difference = first_difference(reference, load_flat(path), skip)
         except (OSError, RuntimeError, ValueError) as exc:
             difference = f"no readable {path.name} after the kill ({exc})"
     return ChaosRow(name, first.fired or "", max(starts - 1, 0), resume, difference is None,
@@ -383,7 +413,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 description=__doc__.split("\n")[0])  # fmt: skip
     p.add_argument("--kill-on", required=True, help="regex: kill at the first line it matches")
     p.add_argument("--save-on", help="regex: a line printed as a save starts (kill rank 0)")
-    p.add_argument("--compare", required=True, help="file under {out} to compare bit for bit")
+    p.add_argument(
+        "--compare",
+        required=True,
+        help="under {out}: a torch.save file, a .safetensors file or a DCP "
+        "directory, compared bit for bit",
+    )
+    p.add_argument(
+        "--ignore",
+        action="append",
+        default=[],
+        metavar="KEY_OR_REGEX",
+        help="leave this key of FILE (dotted, as the report names it; or a regex "
+        "matching whole keys) out of the comparison: a path, a timestamp "
+        "(repeatable)",
+    )
     p.add_argument(
         "--resume-on",
         default=r"(?i)\bresum(ed|ing)\b",
@@ -432,11 +476,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                          scenarios=[s for s in args.scenarios.split(",") if s],
                          timeout_s=args.timeout, work=args.work, jobs=args.jobs,
                          reference=args.reference, stall_s=args.stall, env=extra,
+                         ignore=args.ignore,
                          log=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
     except ChaosError as exc:
         print(f"chaos: {exc}", file=sys.stderr)
         return 2
     print(format_table(rows))
+    if rows and rows[0].compared:
+        print(f"compared {args.compare}: {rows[0].compared}")
     for row in rows:
         if not row.equal:
             print(f"\n{row.scenario}: {row.detail or row.difference}\n  logs: {row.log}")
