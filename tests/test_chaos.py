@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from _chaos_helpers import tagged_pids
 
 from refimpl import chaos
 from refimpl._chaos_compare import first_difference, flatten, load_flat, summary
-from refimpl.chaos import ChaosError, main, run_chaos
+from refimpl.chaos import ChaosError, format_table, main, run_chaos
 
 
 def _py(code: str) -> list[str]:
@@ -301,14 +302,14 @@ def test_a_kill_that_lands_after_the_command_ended_is_a_miss_not_a_pass(
 ) -> None:
     # A --kill-on that matches the trainer's last line: the kill can arrive after the
     # command exited. The action here waits until it has, so the race always goes that way.
-    real = chaos._kill_job
+    real = chaos.kill_job
 
     def late(root: int, token: str) -> str | None:
         while (stat := Path(f"/proc/{root}/stat")).exists() and " Z " not in stat.read_text():
             time.sleep(0.01)
         return real(root, token)
 
-    monkeypatch.setattr(chaos, "_kill_job", late)
+    monkeypatch.setattr(chaos, "kill_job", late)
     code = _LEAVES_ORPHAN + "\n    print('all done', flush=True)\n"
     (row,) = run_chaos(_py(code), kill_on="^all done$", compare="w.safetensors",
                        scenarios=["kill-job"], timeout_s=30, work=tmp_path)  # fmt: skip
@@ -497,3 +498,91 @@ def test_ignore_leaves_out_the_keys_that_legitimately_differ(tmp_path: Path) -> 
     assert row.compared == "1 tensors (8 bytes) and 0 other values, 2 ignored"
     with pytest.raises(ChaosError, match=r"--ignore 'outdir' matches no key of the reference"):
         run_chaos(_py(_RECORDS_ITS_PATH), ignore=["outdir"], **kw)
+
+
+# A stand-in for a job of N ranks (N from --nproc-per-node=N) with a global batch of 4 of 16
+# samples, one epoch: it resumes from out/ckpt/step, logs each rank's samples, and writes
+# w.safetensors whose weight depends on N (as a world-size change moves real weights).
+_RESIZABLE = """
+    import json, os, struct, sys, time
+    n = int(sys.argv[1].split("=")[1]); out = sys.argv[2]; broken = len(sys.argv) > 3
+    os.makedirs(out + "/ckpt", exist_ok=True)
+    step = int(open(out + "/ckpt/step").read()) if os.path.exists(out + "/ckpt/step") else 0
+    while step < 4:
+        first = 4 * step if not broken or step == 0 else 4 * step + n  # broken: skips
+        ids = list(range(first, first + 4))
+        for r in range(n):
+            print(f"samples: {r} {step} {','.join(map(str, ids[r::n]))}", flush=True)
+        step += 1
+        print(f"step {step}", flush=True)
+        if step % 2 == 0:
+            with open(out + "/ckpt/step", "w") as f:
+                f.write(str(step))
+        time.sleep(0.3)
+    head = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    with open(os.path.join(out, "w.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head + struct.pack("<f", 1.0 + 0.5 * n))
+"""
+
+
+@pytest.mark.timeout(90)
+def test_resize_job_resumes_with_other_workers_and_counts_the_samples(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-c", textwrap.dedent(_RESIZABLE), "--nproc-per-node=2", "{out}"]
+    kw = {"kill_on": "^step 3$", "compare": "w.safetensors", "timeout_s": 60}
+    (row,) = run_chaos(cmd, scenarios=["resize-job"], resize_to=1, work=tmp_path / "a", **kw)
+    assert (row.equal, row.difference) == (True, None), row
+    assert row.detail == (
+        "weights (not claimed bit-identical across world sizes): 1 of 1 tensors differ, max "
+        "abs diff 0.5; samples: all 16 trained exactly once each"
+    ), row.detail
+    assert format_table([row]).splitlines()[1].endswith("finished")
+    (bad,) = run_chaos(
+        [*cmd, "broken"], scenarios=["resize-job"], resize_to=1, work=tmp_path / "b", **kw
+    )
+    assert not bad.equal and bad.difference is not None, bad
+    assert bad.difference == "samples: 1 trainings missing (e.g. [17]), 1 extra (e.g. [9])", bad
+    with pytest.raises(ChaosError, match="resize-job needs --resize-to N and a command with"):
+        run_chaos(_py("print(1)"), scenarios=["resize-job"], resize_to=1, **kw)
+
+
+# Writes ckpt/step.tmp in 40 pieces, 10 ms apart, then renames it; then w.safetensors.
+_SLOW_WRITER = _LEAVES_ORPHAN.replace(
+    "    time.sleep(0.5)\n",
+    """    os.makedirs(sys.argv[1] + "/ckpt", exist_ok=True)
+    with open(sys.argv[1] + "/ckpt/step.tmp", "wb") as f:
+        for _ in range(40):
+            f.write(b"x" * 1000); f.flush(); time.sleep(0.01)
+    os.replace(sys.argv[1] + "/ckpt/step.tmp", sys.argv[1] + "/ckpt/step")
+""",
+)
+
+
+@pytest.mark.timeout(90)
+def test_kill_in_write_lands_while_a_checkpoint_file_is_open_for_writing(
+    tmp_path: Path,
+) -> None:
+    (row,) = run_chaos(
+        _py(_SLOW_WRITER),
+        kill_on="^started$",
+        compare="w.safetensors",
+        ckpt_dir="ckpt",
+        scenarios=["kill-in-write"],
+        timeout_s=60,
+        work=tmp_path / "hit",
+    )
+    assert (row.equal, row.difference) == (True, None), row
+    assert re.fullmatch(r"in the write of step\.tmp \((\d+) bytes written; pid \d+\)", row.landed)
+    written = int(row.landed.split("(")[1].split()[0])
+    assert written < 40_000, row.landed  # inside the write: not all of it had been written
+    # A directory nothing is written to: the row says the kill missed, never "equal".
+    (miss,) = run_chaos(
+        _py(_SLOW_WRITER),
+        kill_on="^started$",
+        compare="w.safetensors",
+        ckpt_dir="elsewhere",
+        scenarios=["kill-in-write"],
+        timeout_s=60,
+        work=tmp_path / "miss",
+    )
+    assert not miss.equal and miss.difference is not None
+    assert miss.difference.startswith("the kill missed: no file under elsewhere was seen open")

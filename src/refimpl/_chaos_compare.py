@@ -179,3 +179,25 @@ def first_difference(
             return f"{key}: {_show(ref)} vs {_show(got)}"
     extra = [k for k in other if k not in reference and not _ignored(k, ignore)]
     return f"{extra[0]}: not in the reference" if extra else None
+
+
+def tensor_distance(
+    reference: Mapping[str, Any], other: Mapping[str, Any], ignore: re.Pattern[str] | None = None
+) -> str:
+    """How far ``other``'s tensors are from the reference's, for results not expected to be
+    bit-identical: how many differ, and the largest absolute difference among them."""
+    keys = [
+        k for k, v in reference.items() if isinstance(v, torch.Tensor) and not _ignored(k, ignore)
+    ]
+    worst, differ, absent = 0.0, 0, 0
+    for key in keys:
+        a, b = reference[key], other.get(key)
+        if not isinstance(b, torch.Tensor) or a.shape != b.shape:
+            absent += 1
+            continue
+        if _tensor_difference(key, a, b) is not None:
+            differ += 1
+            diff = (a.detach().cpu().double() - b.detach().cpu().double()).abs()
+            worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
+    lost = f", {absent} missing or reshaped" if absent else ""
+    return f"{differ} of {len(keys)} tensors differ, max abs diff {worst:.3g}{lost}"

@@ -29,6 +29,7 @@ RANK_PREFIX_TEMPLATE = "[rank${rank}]:"
 (``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``); `split_rank` takes it off again."""
 _RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:")
 _POLL_S = 0.2  # a torchrun worker lives for seconds (importing torch alone takes ~1 s)
+_WATCH_S = 0.005  # how often a watch looks (a small checkpoint's write takes milliseconds)
 
 
 def _stat(pid: int) -> tuple[str, int] | None:
@@ -150,6 +151,10 @@ Action = Callable[[int, str], str | None]
 """Called with the command's pid and this run's marker token when the trigger line arrives;
 returns None, or why it could not act (then the run is killed)."""
 
+Watch = Callable[[int, str], str | None]
+"""Called every few milliseconds with the command's pid and marker token; returns None, or
+(having acted) where the action landed, which the run keeps as its `Run.fired`."""
+
 StallHook = Callable[[int, str], str]
 """Called with the command's pid and marker token when a run stalls, before it is killed;
 returns what it found (kept as `Run.stalled`)."""
@@ -166,11 +171,13 @@ def run_once(
     stall_s: float | None = None,
     stall_from_start: bool = False,
     on_stall: StallHook | None = None,
+    watch: Watch | None = None,
 ) -> Run:
     """Run ``cmd`` to its end (or ``timeout_s``); call ``action`` on the first line that
     ``trigger`` finds (in the line's text, without a torchrun rank prefix). With ``stall_s``,
     a run that prints no line for ``stall_s`` seconds after the action fired (from its start
     with ``stall_from_start``) is stalled: ``on_stall`` is called, then the run is killed.
+    A ``watch`` is called every few milliseconds until it has acted (see `Watch`).
     Every process the run started is gone when this returns."""
     token = uuid.uuid4().hex
     full_env = {**env, MARKER: token, "PYTHONUNBUFFERED": "1"}  # lines arrive as printed
@@ -210,7 +217,13 @@ def run_once(
                 kill_run(proc.pid, token)
                 return
 
-    threads = [threading.Thread(target=f, daemon=True) for f in (read, poll)]
+    def look() -> None:
+        while watch is not None and not done.wait(_WATCH_S):
+            if (what := watch(proc.pid, token)) is not None:
+                run.fired, run.fired_at = what, len(run.lines) - 1
+                return
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (read, poll, look)]
     for t in threads:
         t.start()
     try:
