@@ -331,7 +331,8 @@ _MINI_TORCHRUN = """
             sys.stdout.write(f"[rank{rank}]:{line}"); sys.stdout.flush()
     def start(rank, restarted):
         env = {**os.environ, "RANK": str(rank), "TORCHELASTIC_RUN_ID": "job",
-               "TORCHELASTIC_RESTART_COUNT": str(restarted), "RESTARTED": str(restarted)}
+               "TORCHELASTIC_RESTART_COUNT": str(restarted), "RESTARTED": str(restarted),
+               "OUT": sys.argv[1]}
         w = subprocess.Popen([sys.executable, "-c", worker_code], env=env,
                              stderr=subprocess.PIPE, text=True)
         threading.Thread(target=pump, args=(rank, w.stderr), daemon=True).start()
@@ -586,3 +587,44 @@ def test_kill_in_write_lands_while_a_checkpoint_file_is_open_for_writing(
     )
     assert not miss.equal and miss.difference is not None
     assert miss.difference.startswith("the kill missed: no file under elsewhere was seen open")
+
+
+_WRITES_W = """
+    import json, os, struct
+    if os.environ["RANK"] == "0":
+        head = json.dumps({"w": {"dtype": "F64", "shape": [1], "data_offsets": [0, 8]}}).encode()
+        with open(os.path.join(os.environ["OUT"], "w.safetensors"), "wb") as f:
+            f.write(struct.pack("<Q", len(head)) + head + struct.pack("<d", value))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("draws", [True, False])
+def test_rng_perturb_says_when_a_green_result_cannot_see_a_forgotten_rng(
+    draws: bool, tmp_path: Path
+) -> None:
+    # Each worker seeds, waits past the kill line, then draws (or not) the value it saves.
+    draw = "random.random()" if draws else "0.5"
+    worker = (
+        f"import random, time\nrandom.seed(1)\ntime.sleep(1.5)\nvalue = {draw}\n"
+        + textwrap.dedent(_WRITES_W)
+    )
+    (row,) = run_chaos(
+        _mini_torchrun(worker),
+        kill_on="^started$",
+        compare="w.safetensors",
+        perturb=True,
+        scenarios=["rng-perturb"],
+        timeout_s=60,
+        work=tmp_path,
+    )
+    assert (row.equal, row.difference) == (True, None), row
+    assert row.detail is not None
+    if draws:
+        assert row.detail.startswith(
+            "reseeding the RNGs at the kill line changed the result (w: max abs diff"
+        ), row.detail
+        assert format_table([row]).splitlines()[1].endswith("RNG drawn: good")
+    else:
+        assert row.detail.startswith("CAVEAT: reseeding every worker's global RNGs"), row.detail
+        assert format_table([row]).splitlines()[1].endswith("CAVEAT: RNG never drawn")

@@ -73,7 +73,13 @@ def cli(argv: Sequence[str] | None, run: Callable[..., list[ChaosRow]], title: s
     p.add_argument(
         "--scenarios",
         help="comma-separated, from the list below (default: the first "
-        "four, plus resize-job with --resize-to, kill-in-write with --ckpt-dir)",
+        "four, plus resize-job with --resize-to, kill-in-write with --ckpt-dir, rng-perturb "
+        "with --perturb)",
+    )
+    p.add_argument(
+        "--perturb",
+        action="store_true",
+        help="also run rng-perturb: does the result depend on the RNG after --kill-on?",
     )
     p.add_argument(
         "--resize-to",
@@ -111,6 +117,7 @@ def cli(argv: Sequence[str] | None, run: Callable[..., list[ChaosRow]], title: s
                          scenarios=None if args.scenarios is None
                          else [s for s in args.scenarios.split(",") if s],
                          resize_to=args.resize_to, ckpt_dir=args.ckpt_dir,
+                         perturb=args.perturb,
                          timeout_s=args.timeout, work=args.work, jobs=args.jobs,
                          reference=args.reference, stall_s=args.stall, env=extra,
                          ignore=args.ignore,
@@ -122,10 +129,10 @@ def cli(argv: Sequence[str] | None, run: Callable[..., list[ChaosRow]], title: s
     if rows and rows[0].compared:
         print(f"compared {args.compare}: {rows[0].compared}")
     for row in rows:
-        if not row.equal or row.scenario == "resize-job":
+        if not row.equal or row.scenario in ("resize-job", "rng-perturb"):
             print(f"\n{row.scenario}: {row.detail or row.difference}\n  logs: {row.log}")
     what = "bit-identical to the reference"
-    if any(r.scenario == "resize-job" for r in rows):
+    if any(r.scenario in ("resize-job", "rng-perturb") for r in rows):
         what = "passed (bit-identical to the reference; resize-job: resumed and finished)"
     print(
         f"{sum(r.equal for r in rows)}/{len(rows)} scenarios {what} "

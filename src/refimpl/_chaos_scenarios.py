@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,10 +23,45 @@ WHAT = {
     "must finish",
     "kill-in-write": "SIGKILL the job while a file under --ckpt-dir is open for writing, "
     "then rerun",
+    "rng-perturb": "no kill: reseed every worker's global RNGs at --kill-on; the same result "
+    "means no scenario can catch a resume that forgets the RNG",
 }
 """Every scenario, in the order `refimpl.chaos.run_chaos` runs them, with what it does."""
 DEFAULT = ("kill-rank1", "kill-rank0-save", "kill-job", "sigterm-job")
 RERUN = ("kill-job", "sigterm-job", "resize-job", "kill-in-write")  # the job is gone: run again
+_PERTURB = "REFIMPL_CHAOS_PERTURB"
+_HOOK = '''"""Installed by refimpl.chaos --perturb: on SIGUSR2, reseed the global RNGs."""
+import os
+import signal
+import sys
+
+
+def _reseed(signum, frame):
+    seed = int.from_bytes(os.urandom(8), "little") >> 1
+    import random
+
+    random.seed(seed)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(seed % 2**32)
+    if "torch" in sys.modules:
+        sys.modules["torch"].manual_seed(seed)
+
+
+if os.environ.get("REFIMPL_CHAOS_PERTURB") == "1":
+    signal.signal(signal.SIGUSR2, _reseed)
+
+import importlib.machinery
+import importlib.util
+
+_here = os.path.dirname(os.path.abspath(__file__))
+for _entry in sys.path:  # the sitecustomize this one hides, if any, still runs
+    if os.path.abspath(_entry or ".") == _here:
+        continue
+    _spec = importlib.machinery.PathFinder.find_spec("sitecustomize", [_entry])
+    if _spec is not None and _spec.loader is not None:
+        _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
+        break
+'''
 _NPROC = re.compile(r"^--nproc[-_]per[-_]node(=|$)")
 _SAMPLES = re.compile(r"^samples: (\d+) (\d+) ([\d,]*)\s*$")
 
@@ -58,6 +94,44 @@ def sigterm_workers(root: int, token: str) -> str | None:
     if not found:
         return "no process with RANK=... among the command's descendants: who is a worker?"
     signal_all(list(found.values()), signal.SIGTERM)
+    return None
+
+
+def perturb_env(hook_dir: Path, env: dict[str, str]) -> dict[str, str]:
+    """The variables that install the reseeding hook (a ``sitecustomize`` written to
+    ``hook_dir``, first on ``PYTHONPATH``) in every Python process of a run."""
+    hook_dir.mkdir(parents=True, exist_ok=True)
+    (hook_dir / "sitecustomize.py").write_text(_HOOK)
+    path = os.pathsep.join(p for p in (str(hook_dir), env.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, _PERTURB: "1"}
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether ``pid`` has a handler for ``sig`` (``SigCgt`` in ``/proc/PID/status``)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next((ln.split()[1] for ln in status.splitlines() if ln.startswith("SigCgt:")), "0")
+    return bool(int(mask, 16) >> (sig - 1) & 1)
+
+
+def reseed_workers(root: int, token: str) -> str | None:
+    """Send every worker SIGUSR2, which the `perturb_env` hook turns into a reseed."""
+    found = workers(root, until=bool)
+    if not found:
+        return "no process with RANK=... among the command's descendants: who is a worker?"
+    deadline = time.monotonic() + 5.0  # a worker still starting has not run the hook yet
+    while (missing := [r for r, pid in found.items() if not _catches(pid, signal.SIGUSR2)]) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    if missing:
+        return (
+            f"ranks {missing} do not run chaos's reseeding hook (a sitecustomize on "
+            "PYTHONPATH): started with python -S or -I, or not Python?"
+        )
+    signal_all(list(found.values()), signal.SIGUSR2)
     return None
 
 

@@ -139,9 +139,33 @@ def judge(name: str, runs: list[Run], path: Path, reference: dict[str, object],
                     difference, round(sum(r.seconds for r in runs), 1), detail)  # fmt: skip
 
 
+CAVEAT = (
+    "CAVEAT: reseeding every worker's global RNGs (torch, random, numpy) at the kill line "
+    "left the result bit-identical: training after that line draws nothing from them "
+    "(dropout 0, no random sampling), so a resume that forgot to restore them would pass "
+    "these scenarios too. A green result here does not show that the RNG state is restored."
+)
+
+
+def judge_perturb(row: ChaosRow, run: Run) -> None:
+    """rng-perturb passes either way once the run finished: the same result earns the caveat,
+    a different one shows the RNG is drawn (so a forgotten restore would be caught)."""
+    if run.returncode != 0 or run.stalled is not None:
+        return  # the row already says how the run failed
+    if row.equal:
+        row.detail = CAVEAT
+    else:
+        row.detail = (f"reseeding the RNGs at the kill line changed the result "
+                      f"({row.difference}): the trainer draws from them after it, so a "
+                      "resume that forgot them would differ")  # fmt: skip
+        row.equal, row.difference = True, None
+
+
 def result_text(row: ChaosRow) -> str:
     if row.scenario == "resize-job":
         return "finished" if row.equal else f"FAILED: {row.difference}"
+    if row.scenario == "rng-perturb" and row.equal:
+        return "CAVEAT: RNG never drawn" if row.detail == CAVEAT else "RNG drawn: good"
     return "equal" if row.equal else f"DIFFERS: {row.difference}"
 
 

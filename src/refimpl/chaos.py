@@ -29,7 +29,18 @@ The command runs once uninterrupted (the reference), then once per scenario, eac
   and how many bytes), then run it again. A write shorter than the 5 ms look is missed, and
   the row says so (never "equal").
 
-``--help`` lists them. ``resize-job`` and ``kill-in-write`` run when their option is given.
+- ``rng-perturb`` (with ``--perturb``): no kill; at ``--kill-on`` every worker's global RNGs
+  (torch's, through ``torch.manual_seed``, ``random``'s and numpy's) are reseeded at random,
+  the state a resume that forgot them would leave. A result still bit-identical means the
+  trainer draws nothing from them after that line (dropout 0, no random sampling): the other
+  scenarios then cannot catch a forgotten RNG restore, and the row says so (a caveat, not a
+  failure). The reseed is a ``SIGUSR2`` handler that chaos installs through a
+  ``sitecustomize`` first on ``PYTHONPATH`` (one already there still runs after it). Its
+  limits: RNGs the trainer keeps in its own ``torch.Generator`` objects and the RNGs of
+  DataLoader worker processes are not reseeded; a worker that does not run the hook (``python
+  -S``/``-I``, not Python) is refused; a trainer with its own ``SIGUSR2`` handler loses it.
+
+``--help`` lists them. The last three run when their option is given.
 
 Then ``FILE`` (relative to ``{out}``; a ``torch.save`` file, loaded weights-only, or a
 ``.safetensors`` file) of each scenario is compared with the reference's, tensor by tensor and
@@ -83,6 +94,8 @@ from refimpl._chaos_scenarios import (
     WHAT,
     kill_job,
     kill_rank,
+    perturb_env,
+    reseed_workers,
     resized,
     sigterm_workers,
     write_watch,
@@ -93,6 +106,7 @@ from refimpl._chaos_verdict import (
     check_started,
     format_table,
     judge,
+    judge_perturb,
     judge_resize,
     missed_write,
     tail,
@@ -125,6 +139,7 @@ def run_chaos(
     ignore: Sequence[str] = (),
     resize_to: int | None = None,
     ckpt_dir: str | None = None,
+    perturb: bool = False,
 ) -> list[ChaosRow]:
     """Run the reference, then each scenario of ``scenarios``; return one `ChaosRow` each.
 
@@ -154,7 +169,11 @@ def run_chaos(
     a scenario fails or the test cannot run.
     """
     if scenarios is None:
-        extra = [("resize-job", resize_to), ("kill-in-write", ckpt_dir)]
+        extra = [
+            ("resize-job", resize_to),
+            ("kill-in-write", ckpt_dir),
+            ("rng-perturb", perturb or None),
+        ]
         scenarios = [*SCENARIOS, *(n for n, option in extra if option is not None)]
     if unknown := [s for s in scenarios if s not in WHAT]:
         raise ChaosError(f"unknown scenarios {unknown} (known: {', '.join(WHAT)})")
@@ -201,6 +220,8 @@ def run_chaos(
         out.mkdir(parents=True, exist_ok=True)
         logs.mkdir(exist_ok=True)
         run_env = {**_diagnostic_env(logs / "torchrun"), **full_env}
+        if name == "rng-perturb":
+            run_env.update(perturb_env(logs / "hook", run_env))
         run = run_once(
             [a.replace("{out}", str(out)) for a in command],
             env=run_env,
@@ -261,6 +282,7 @@ def run_chaos(
                 "kill-rank1": kill_rank(1, signal.SIGKILL),
                 "kill-rank0-save": kill_rank(0, signal.SIGKILL),
                 "sigterm-job": sigterm_workers,
+                "rng-perturb": reseed_workers,
             }
             trigger = None if in_write else save_re if on_save else kill_re
             action = None if in_write else actions.get(name, kill_job)
@@ -273,6 +295,8 @@ def run_chaos(
                 again = resize_cmd if name == "resize-job" and resize_cmd else cmd
                 runs.append(launch(name, stall=True, rerun=True, command=again))
             row = judge(name, runs, base / name / compare, expected, resume_re, skip)
+            if name == "rng-perturb":
+                judge_perturb(row, runs[0])
             if name == "resize-job":
                 judge_resize(row, runs, base / name / compare, ref_lines, expected, skip)
             row.log, row.compared = str(base / f"{name}.logs"), covered
