@@ -288,9 +288,16 @@ _WRAPPED_LAUNCHER = """
 def test_an_exported_rank_does_not_make_the_wrapper_or_launcher_a_worker(
     tmp_path: Path,
 ) -> None:
-    rows = run_chaos(_py(_WRAPPED_LAUNCHER), kill_on="^started$", compare="w.safetensors",
-                     scenarios=["kill-rank1"], timeout_s=30, work=tmp_path,
-                     env={"RANK": "1"}, resume_on="died: restarted")  # fmt: skip
+    rows = run_chaos(
+        _py(_WRAPPED_LAUNCHER),
+        kill_on="^started$",
+        compare="w.safetensors",
+        scenarios=["kill-rank1"],
+        timeout_s=30,
+        work=tmp_path,
+        env={"RANK": "1"},
+        resume_on="died: restarted",
+    )
     (row,) = rows
     assert (row.equal, row.difference) == (True, None), row
     assert row.resume == "worker 1 died: restarted", row  # the worker, not the launcher
@@ -311,8 +318,14 @@ def test_a_kill_that_lands_after_the_command_ended_is_a_miss_not_a_pass(
 
     monkeypatch.setattr(chaos, "kill_job", late)
     code = _LEAVES_ORPHAN + "\n    print('all done', flush=True)\n"
-    (row,) = run_chaos(_py(code), kill_on="^all done$", compare="w.safetensors",
-                       scenarios=["kill-job"], timeout_s=30, work=tmp_path)  # fmt: skip
+    (row,) = run_chaos(
+        _py(code),
+        kill_on="^all done$",
+        compare="w.safetensors",
+        scenarios=["kill-job"],
+        timeout_s=30,
+        work=tmp_path,
+    )
     assert not row.equal, row
     assert row.difference is not None and row.difference.startswith(
         "the kill missed: the command had already ended (exit code 0) when its line 2 of 2, "
@@ -348,8 +361,7 @@ _MINI_TORCHRUN = """
 
 
 def _mini_torchrun(worker: str) -> list[str]:
-    return [sys.executable, "-c", textwrap.dedent(_MINI_TORCHRUN), "{out}",
-            textwrap.dedent(worker)]  # fmt: skip
+    return [sys.executable, "-c", textwrap.dedent(_MINI_TORCHRUN), "{out}", textwrap.dedent(worker)]
 
 
 @pytest.mark.timeout(90)
@@ -370,9 +382,17 @@ def test_a_restart_that_stalls_ends_with_each_ranks_stack_and_the_known_cause(
     (tmp_path / "ref").mkdir()
     torch.save({"w": torch.ones(1)}, tmp_path / "ref" / "w.pt")
     work = tmp_path / "work"
-    (row,) = run_chaos(_mini_torchrun(worker), kill_on="^started$", compare="w.pt",
-                       scenarios=["kill-rank1"], timeout_s=80, stall_s=3, work=work,
-                       reference=tmp_path / "ref", env={"CHAOS_TEST_TAG": tag})  # fmt: skip
+    (row,) = run_chaos(
+        _mini_torchrun(worker),
+        kill_on="^started$",
+        compare="w.pt",
+        scenarios=["kill-rank1"],
+        timeout_s=80,
+        stall_s=3,
+        work=work,
+        reference=tmp_path / "ref",
+        env={"CHAOS_TEST_TAG": tag},
+    )
     assert not row.equal and row.difference is not None and row.detail is not None
     assert row.difference.startswith(
         "stalled after the kill: no output for 3 s; ranks 0, 1 running, in restart 1 of the workers"
@@ -404,9 +424,15 @@ def test_a_failed_restart_shows_the_failing_ranks_traceback_and_keeps_the_logs(
     (tmp_path / "ref").mkdir()
     torch.save({"w": torch.ones(1)}, tmp_path / "ref" / "w.pt")
     work = tmp_path / "work"
-    (row,) = run_chaos(_mini_torchrun(worker), kill_on="^started$", compare="w.pt",
-                       scenarios=["kill-rank1"], timeout_s=80, work=work,
-                       reference=tmp_path / "ref")  # fmt: skip
+    (row,) = run_chaos(
+        _mini_torchrun(worker),
+        kill_on="^started$",
+        compare="w.pt",
+        scenarios=["kill-rank1"],
+        timeout_s=80,
+        work=work,
+        reference=tmp_path / "ref",
+    )
     assert row.difference == (
         "exited 1 after the kill; rank 1: RuntimeError: cannot resume: ckpt.pt has no key "
         "'optimizer'"
@@ -421,18 +447,39 @@ def test_a_failed_restart_shows_the_failing_ranks_traceback_and_keeps_the_logs(
     cli = tmp_path / "cli"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
     done = subprocess.run(
-        [sys.executable, "-m", "refimpl.chaos", "--kill-on", "^started$", "--compare", "w.pt",
-         "--scenarios", "kill-rank1", "--reference", str(tmp_path / "ref"), "--work", str(cli),
-         "--", *_mini_torchrun(worker)],
-        capture_output=True, text=True, env=env, timeout=80,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "refimpl.chaos",
+            "--kill-on",
+            "^started$",
+            "--compare",
+            "w.pt",
+            "--scenarios",
+            "kill-rank1",
+            "--reference",
+            str(tmp_path / "ref"),
+            "--work",
+            str(cli),
+            "--",
+            *_mini_torchrun(worker),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=80,
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     assert "(rank 1's traceback)" in done.stdout and "in load_checkpoint" in done.stdout
     assert f"logs: {cli / 'kill-rank1.logs'}" in done.stdout
     # A reference run that fails shows the trainer's traceback, not the launcher's last lines.
     with pytest.raises(ChaosError) as err:
-        run_chaos(_mini_torchrun(worker.replace('"1" and', '"0" and')), kill_on="^never$",
-                  compare="w.pt", timeout_s=60)  # fmt: skip
+        run_chaos(
+            _mini_torchrun(worker.replace('"1" and', '"0" and')),
+            kill_on="^never$",
+            compare="w.pt",
+            timeout_s=60,
+        )
     message = str(err.value)
     assert "failed (exit code 1) before the kill" in message
     assert "(rank 1's traceback)" in message and "cannot resume" in message
@@ -448,8 +495,23 @@ def test_env_adds_variables_to_every_run(tmp_path: Path) -> None:
     code = needs + textwrap.dedent(_LEAVES_ORPHAN)
     args = ["--kill-on", "^started$", "--compare", "w.safetensors", "--scenarios", "kill-job"]
     assert main([*args, "--", sys.executable, "-c", code, "{out}"]) == 2  # FOO unset: exit 5
-    assert main([*args, "--env", "FOO=bar=baz", "--work", str(tmp_path), "--", sys.executable,
-                 "-c", code, "{out}"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                *args,
+                "--env",
+                "FOO=bar=baz",
+                "--work",
+                str(tmp_path),
+                "--",
+                sys.executable,
+                "-c",
+                code,
+                "{out}",
+            ]
+        )
+        == 0
+    )
     with pytest.raises(SystemExit):
         main([*args, "--env", "FOO", "--", sys.executable, "-c", code, "{out}"])
 
@@ -486,10 +548,17 @@ _RECORDS_ITS_PATH = """
 @pytest.mark.timeout(120)
 def test_ignore_leaves_out_the_keys_that_legitimately_differ(tmp_path: Path) -> None:
     (tmp_path / "ref").mkdir()
-    torch.save({"w": torch.ones(2), "out_dir": "/elsewhere", "when": {"t": 1.0}},
-               tmp_path / "ref" / "final.pt")  # fmt: skip
-    kw = {"kill_on": "^started$", "compare": "final.pt", "scenarios": ["kill-job"],
-          "timeout_s": 60, "reference": tmp_path / "ref"}  # fmt: skip
+    torch.save(
+        {"w": torch.ones(2), "out_dir": "/elsewhere", "when": {"t": 1.0}},
+        tmp_path / "ref" / "final.pt",
+    )
+    kw = {
+        "kill_on": "^started$",
+        "compare": "final.pt",
+        "scenarios": ["kill-job"],
+        "timeout_s": 60,
+        "reference": tmp_path / "ref",
+    }
     (row,) = run_chaos(_py(_RECORDS_ITS_PATH), **kw)
     assert row.difference is not None and row.difference.startswith(
         "out_dir: str '/elsewhere' vs str '/"

@@ -112,16 +112,27 @@ def cli(argv: Sequence[str] | None, run: Callable[..., list[ChaosRow]], title: s
     extra = dict(e.split("=", 1) for e in args.env)
     start = time.monotonic()
     try:
-        rows = run(cmd, kill_on=args.kill_on, compare=args.compare, save_on=args.save_on,
-                         resume_on=args.resume_on,
-                         scenarios=None if args.scenarios is None
-                         else [s for s in args.scenarios.split(",") if s],
-                         resize_to=args.resize_to, ckpt_dir=args.ckpt_dir,
-                         perturb=args.perturb,
-                         timeout_s=args.timeout, work=args.work, jobs=args.jobs,
-                         reference=args.reference, stall_s=args.stall, env=extra,
-                         ignore=args.ignore,
-                         log=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
+        rows = run(
+            cmd,
+            kill_on=args.kill_on,
+            compare=args.compare,
+            save_on=args.save_on,
+            resume_on=args.resume_on,
+            scenarios=None
+            if args.scenarios is None
+            else [s for s in args.scenarios.split(",") if s],
+            resize_to=args.resize_to,
+            ckpt_dir=args.ckpt_dir,
+            perturb=args.perturb,
+            timeout_s=args.timeout,
+            work=args.work,
+            jobs=args.jobs,
+            reference=args.reference,
+            stall_s=args.stall,
+            env=extra,
+            ignore=args.ignore,
+            log=lambda m: print(m, file=sys.stderr, flush=True),
+        )
     except ChaosError as exc:
         print(f"chaos: {exc}", file=sys.stderr)
         return 2

@@ -113,8 +113,9 @@ def summary(flat: Mapping[str, Any], ignore: re.Pattern[str] | None = None) -> s
     size = sum(t.numel() * t.element_size() for t in tensors)
     others = sum(not isinstance(v, torch.Tensor | Node) for v in kept.values())
     skipped = sum(not isinstance(v, Node) for k, v in flat.items() if k not in kept)
-    return (f"{len(tensors)} tensors ({size} bytes) and {others} other values"
-            + (f", {skipped} ignored" if ignore is not None else ""))  # fmt: skip
+    return f"{len(tensors)} tensors ({size} bytes) and {others} other values" + (
+        f", {skipped} ignored" if ignore is not None else ""
+    )
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

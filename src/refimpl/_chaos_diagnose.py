@@ -10,6 +10,7 @@ how the explanation knows a rank was stuck in ``init_process_group``.
 
 from __future__ import annotations
 
+import re
 import signal
 import textwrap
 import time
@@ -18,21 +19,44 @@ from collections.abc import Mapping, Sequence
 from refimpl._chaos_proc import env_of, signal_all, split_rank, workers
 
 _STACK_WAIT_S = 2.0  # torchrun's tail of a worker's stderr polls every 0.1 s
+_INNER = re.compile(r"^\[rank\d+\]: ?")
+_ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _HEADS = ("Traceback (most recent call last):", "During handling", "The above exception")
 
 
+def _text(line: str) -> tuple[int | None, str]:
+    """A line's rank (torchrun's tee prefix) and its text, without the ``[rankN]: `` that
+    torch itself puts before an uncaught exception's lines as well."""
+    rank, text = split_rank(line)
+    return rank, _INNER.sub("", text, count=1)
+
+
+def root_cause_rank(lines: Sequence[str]) -> int | None:
+    """The rank torchrun's failure summary names as the root cause (first observed failure)."""
+    for i, line in enumerate(lines):
+        if "Root Cause (first observed failure)" in line:
+            for later in lines[i + 1 : i + 8]:
+                if (m := _ROOT_RANK.search(later)) is not None:
+                    return int(m.group(1))
+    return None
+
+
 def first_traceback(lines: Sequence[str]) -> tuple[int | None, str] | None:
-    """``(rank, text)`` of the first Python traceback in ``lines``: a worker's (a line with a
-    rank prefix) before any other (torchrun's own summary of the failure), or None."""
-    starts = [i for i, ln in enumerate(lines) if split_rank(ln)[1].startswith(_HEADS[0])]
+    """``(rank, text)`` of the failing rank's Python traceback: the last one printed by the
+    rank torchrun names as the root cause of the failure (the first rank that failed; its
+    earlier tracebacks belong to attempts torchrun restarted), else the last one a worker
+    printed (a rank prefix), else the last one at all; None when there is none."""
+    texts = [_text(ln) for ln in lines]
+    starts = [i for i, (_, t) in enumerate(texts) if t.startswith(_HEADS[0])]
     if not starts:
         return None
-    ranked = [i for i in starts if split_rank(lines[i])[0] is not None]
-    at = (ranked or starts)[0]
-    rank = split_rank(lines[at])[0]
+    root = root_cause_rank(lines)
+    ranked = [i for i in starts if texts[i][0] is not None]
+    mine = [i for i in ranked if texts[i][0] == root]
+    at = (mine or ranked or starts)[-1]
+    rank = texts[at][0]
     block: list[str] = []
-    for line in lines[at:]:
-        who, text = split_rank(line)
+    for who, text in texts[at:]:
         if who != rank:
             continue
         block.append(text)

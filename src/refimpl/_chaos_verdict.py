@@ -54,11 +54,14 @@ def tail(lines: Sequence[str], n: int = 15) -> str:
 
 def missed_write(name: str, run: Run, ckpt_dir: str, base: Path) -> ChaosRow:
     """kill-in-write's row when no write was caught in progress: a miss, never a pass."""
-    why = (f"the kill missed: no file under {ckpt_dir} was seen open for writing during the "
-           f"run (exit code {run.returncode}); its writes may be too short to catch, or "
-           "--ckpt-dir is not where it saves")  # fmt: skip
-    return ChaosRow(name, "", 0, None, False, why, round(run.seconds, 1),
-                    log=str(base / f"{name}.logs"))  # fmt: skip
+    why = (
+        f"the kill missed: no file under {ckpt_dir} was seen open for writing during the "
+        f"run (exit code {run.returncode}); its writes may be too short to catch, or "
+        "--ckpt-dir is not where it saves"
+    )
+    return ChaosRow(
+        name, "", 0, None, False, why, round(run.seconds, 1), log=str(base / f"{name}.logs")
+    )
 
 
 def check_started(run: Run, what: str, regex: str, flag: str, timeout_s: float) -> None:
@@ -66,20 +69,32 @@ def check_started(run: Run, what: str, regex: str, flag: str, timeout_s: float) 
     if run.action_error is not None:
         raise ChaosError(f"{what}: at the line {run.fired!r}: {run.action_error}")
     if run.returncode is None and run.fired is None:  # a hang after the kill is the row's
-        raise ChaosError(f"{what}: still running after --timeout {timeout_s:g} s; killed. "
-                         f"Its last lines:\n{tail(run.lines)}")  # fmt: skip
+        raise ChaosError(
+            f"{what}: still running after --timeout {timeout_s:g} s; killed. "
+            f"Its last lines:\n{tail(run.lines)}"
+        )
     if run.fired is None and run.returncode != 0:
-        raise ChaosError(f"{what}: the command failed (exit code {run.returncode}) before "
-                         f"the kill: no line had matched {flag} {regex!r} yet. Its last "
-                         f"lines:\n{tail(run.lines)}")  # fmt: skip
+        raise ChaosError(
+            f"{what}: the command failed (exit code {run.returncode}) before "
+            f"the kill: no line had matched {flag} {regex!r} yet. Its last "
+            f"lines:\n{tail(run.lines)}"
+        )
     if run.fired is None:
-        raise ChaosError(f"{what}: the run finished (exit code 0) without a line matching "
-                         f"{flag} {regex!r}, so nothing was killed. Pick a line the trainer "
-                         f"prints mid-run. Its last lines:\n{tail(run.lines)}")  # fmt: skip
+        raise ChaosError(
+            f"{what}: the run finished (exit code 0) without a line matching "
+            f"{flag} {regex!r}, so nothing was killed. Pick a line the trainer "
+            f"prints mid-run. Its last lines:\n{tail(run.lines)}"
+        )
 
 
-def judge_resize(row: ChaosRow, runs: list[Run], path: Path, ref_lines: list[str],
-                  expected: dict[str, object], skip: re.Pattern[str] | None) -> None:  # fmt: skip
+def judge_resize(
+    row: ChaosRow,
+    runs: list[Run],
+    path: Path,
+    ref_lines: list[str],
+    expected: dict[str, object],
+    skip: re.Pattern[str] | None,
+) -> None:
     """A world-size change passes when the rerun finished, its FILE loads, and (when the
     trainer logs ``samples:`` lines) each sample was trained as often as in the reference;
     how far its tensors are from the reference's is reported, not judged."""
@@ -101,8 +116,14 @@ def last_line(lines: Sequence[str]) -> str:
     return split_rank(lines[-1])[1].strip() if lines else "(no output)"
 
 
-def judge(name: str, runs: list[Run], path: Path, reference: dict[str, object],
-         resume_re: re.Pattern[str] | None, skip: re.Pattern[str] | None) -> ChaosRow:  # fmt: skip
+def judge(
+    name: str,
+    runs: list[Run],
+    path: Path,
+    reference: dict[str, object],
+    resume_re: re.Pattern[str] | None,
+    skip: re.Pattern[str] | None,
+) -> ChaosRow:
     """Judge one scenario: how its last run ended, then its FILE against the reference."""
     first = runs[0]
     assert first.fired_at is not None
@@ -135,8 +156,16 @@ def judge(name: str, runs: list[Run], path: Path, reference: dict[str, object],
             difference = first_difference(reference, load_flat(path), skip)
         except (OSError, RuntimeError, ValueError) as exc:
             difference = f"no readable {path.name} after the kill ({exc})"
-    return ChaosRow(name, first.fired or "", max(starts - 1, 0), resume, difference is None,
-                    difference, round(sum(r.seconds for r in runs), 1), detail)  # fmt: skip
+    return ChaosRow(
+        name,
+        first.fired or "",
+        max(starts - 1, 0),
+        resume,
+        difference is None,
+        difference,
+        round(sum(r.seconds for r in runs), 1),
+        detail,
+    )
 
 
 CAVEAT = (
@@ -155,9 +184,11 @@ def judge_perturb(row: ChaosRow, run: Run) -> None:
     if row.equal:
         row.detail = CAVEAT
     else:
-        row.detail = (f"reseeding the RNGs at the kill line changed the result "
-                      f"({row.difference}): the trainer draws from them after it, so a "
-                      "resume that forgot them would differ")  # fmt: skip
+        row.detail = (
+            f"reseeding the RNGs at the kill line changed the result "
+            f"({row.difference}): the trainer draws from them after it, so a "
+            "resume that forgot them would differ"
+        )
         row.equal, row.difference = True, None
 
 
@@ -172,8 +203,18 @@ def result_text(row: ChaosRow) -> str:
 def format_table(rows: Sequence[ChaosRow]) -> str:
     """The rows as a plain-text table: scenario, kill landed at, restarts, resume, result."""
     head = ("scenario", "kill landed at", "restarts", "resume line", "result")
-    body = [(r.scenario, r.landed.strip()[:60], str(r.restarts), (r.resume or "-").strip()[:40],
-             result_text(r)) for r in rows]  # fmt: skip
+    body = [
+        (
+            r.scenario,
+            r.landed.strip()[:60],
+            str(r.restarts),
+            (r.resume or "-").strip()[:40],
+            result_text(r),
+        )
+        for r in rows
+    ]
     widths = [max(len(x[i]) for x in (head, *body)) for i in range(4)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, [*widths, 0], strict=True)).rstrip()
-                     for line in (head, *body))  # fmt: skip
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(line, [*widths, 0], strict=True)).rstrip()
+        for line in (head, *body)
+    )

@@ -165,6 +165,10 @@ def run_chaos(
     ``ignore`` lists keys of ``compare`` (dotted, as the rows name them) or regular
     expressions matching whole keys, left out of the comparison with everything under them
     (a path, a timestamp); one that matches no key of the reference is an error.
+    ``scenarios`` defaults to `SCENARIOS`, plus ``resize-job`` with ``resize_to`` (the rerun's
+    ``--nproc-per-node``), ``kill-in-write`` with ``ckpt_dir`` (under ``{out}``) and
+    ``rng-perturb`` with ``perturb`` (the module's docstring says what each does); naming one
+    without its option raises `ChaosError`.
     Without ``work``, the temporary directory is kept (and named in the rows and errors) when
     a scenario fails or the test cannot run.
     """
@@ -255,12 +259,15 @@ def run_chaos(
             if ref.returncode != 0:
                 how = (f"ran past --timeout {timeout_s:g} s" if ref.returncode is None
                        else f"exited {ref.returncode}")  # fmt: skip
-                raise ChaosError(f"the reference run (no kill) {how}. Its last lines:\n"
-                                 f"{tail(ref.lines)}")  # fmt: skip
+                raise ChaosError(
+                    f"the reference run (no kill) {how}. Its last lines:\n{tail(ref.lines)}"
+                )
             texts = [split_rank(ln)[1] for ln in ref.lines]
             if save_re is not None and not any(save_re.search(t) for t in texts):
-                raise ChaosError(f"the reference run printed no line matching --save-on "
-                                 f"{save_on!r}. Its last lines:\n{tail(ref.lines)}")  # fmt: skip
+                raise ChaosError(
+                    f"the reference run printed no line matching --save-on "
+                    f"{save_on!r}. Its last lines:\n{tail(ref.lines)}"
+                )
             try:
                 expected = load_flat(base / "reference" / compare)
             except (OSError, RuntimeError, ValueError) as exc:
