@@ -697,3 +697,28 @@ def test_rng_perturb_says_when_a_green_result_cannot_see_a_forgotten_rng(
     else:
         assert row.detail.startswith("CAVEAT: reseeding every worker's global RNGs"), row.detail
         assert format_table([row]).splitlines()[1].endswith("CAVEAT: RNG never drawn")
+
+
+@pytest.mark.timeout(10)
+def test_the_traceback_shown_is_the_root_cause_ranks_last_one() -> None:
+    from refimpl._chaos_diagnose import first_traceback
+
+    lines = [
+        "[rank0]:[rank0]: Traceback (most recent call last):",  # torch's own prefix too
+        '[rank0]:[rank0]:   File "train.py", line 9, in <module>',
+        "[rank0]:[rank0]: RuntimeError: Connection reset by peer",  # the kill's consequence
+        "[rank1]:Traceback (most recent call last):",
+        '[rank1]:  File "train.py", line 3, in <module>',
+        "[rank1]:RuntimeError: connectFullMesh failed",
+        "Traceback (most recent call last):",  # torchrun's own
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
+        "Root Cause (first observed failure):",
+        "[0]:",
+        "  rank      : 1 (local_rank: 1)",
+    ]
+    assert first_traceback(lines) == (1, "\n".join(ln[8:] for ln in lines[3:6]))
+    assert first_traceback(lines[:3]) == (
+        0,
+        'Traceback (most recent call last):\n  File "train.py", line 9, in <module>\n'
+        "RuntimeError: Connection reset by peer",
+    )
