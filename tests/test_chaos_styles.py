@@ -46,9 +46,13 @@ def nano_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _reference(torchrun(NANO, "--rng-save"), r"^iter 6:", work)
 
 
-def _nano(variant: list[str], reference: Path, work: Path, **kw: object) -> str:
+def _nano(variant: list[str], reference: Path, work: Path, restarts: int = 2, **kw: object) -> str:
+    cmd = [
+        a.replace("--max-restarts=2", f"--max-restarts={restarts}")
+        for a in torchrun(NANO, *variant)
+    ]
     (row,) = run_chaos(
-        torchrun(NANO, *variant),
+        cmd,
         kill_on=r"^iter 6:",
         compare="final.pt",
         ignore=["out_dir"],
@@ -67,13 +71,23 @@ def test_nanogpt_style_restart_hang_is_explained_then_the_fix_passes(
     nano_reference: Path, tmp_path: Path
 ) -> None:
     # The restarted workers meet the killed attempt's keys in torchrun's shared store: they
-    # either wait for peers that are gone (a stall, ended after 20 s) or fail to connect.
-    hung = _nano(["--rng-save"], nano_reference, tmp_path / "hang", stall_s=20)
+    # wait for peers that are gone (a stall, ended after 20 s), fail to connect, or (a race)
+    # find the new keys in time. One restart allowed, up to three tries: chaos must explain
+    # every failure and never wait out its timeout.
     stalled = "stalled after the kill: no output for 20 s; ranks 0, 1 running, in restart "
     refused = "exited 1 after the kill; rank "
-    assert hung.startswith((stalled, refused)), hung
-    assert "_chaos_nanogpt_style.py" in hung and "init_process_group" in hung, hung
-    assert "Known cause: the trainer creates its own process group" in hung, hung
+    failures = []
+    for attempt in range(3):
+        got = _nano(
+            ["--rng-save"], nano_reference, tmp_path / f"hang{attempt}", stall_s=20, restarts=1
+        )
+        assert got.startswith((stalled, refused, "equal\n")), got
+        if not got.startswith("equal"):
+            failures.append(got)
+            break
+    assert failures, "three restarts in a row found the new keys in time"
+    assert "_chaos_nanogpt_style.py" in failures[0] and "init_process_group" in failures[0]
+    assert "Known cause: the trainer creates its own process group" in failures[0]
     fixed = _nano(["--rng-save"], nano_reference, tmp_path / "fixed", env=FIX)
     assert fixed.startswith("equal\n"), fixed
 
