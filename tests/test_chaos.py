@@ -20,6 +20,7 @@ from _chaos_helpers import tagged_pids
 
 from refimpl import chaos
 from refimpl._chaos_compare import first_difference, flatten, load_flat, summary
+from refimpl._chaos_scenarios import samples_check
 from refimpl.chaos import ChaosError, format_table, main, run_chaos
 
 
@@ -610,7 +611,13 @@ def test_resize_job_resumes_with_other_workers_and_counts_the_samples(tmp_path: 
         [*cmd, "broken"], scenarios=["resize-job"], resize_to=1, work=tmp_path / "b", **kw
     )
     assert not bad.equal and bad.difference is not None, bad
-    assert bad.difference == "samples: 1 trainings missing (e.g. [17]), 1 extra (e.g. [9])", bad
+    assert (
+        bad.difference == "samples: 1 trainings missing (e.g. [17]), 1 trainings extra (e.g. [9])"
+    ), bad
+    ref = ["samples: 0 0 1,2", "samples: 0 1 3,4"]  # the rerun resumes at step 1, replays 1, 2
+    assert samples_check(ref, ["samples: 0 0 1,2"], ["samples: 0 1 1,2,3,4"]) == (
+        "samples: 2 trainings extra (e.g. [1, 2])"
+    )
     with pytest.raises(ChaosError, match="resize-job needs --resize-to N and a command with"):
         run_chaos(_py("print(1)"), scenarios=["resize-job"], resize_to=1, **kw)
 

@@ -215,10 +215,12 @@ def samples_check(reference: Sequence[str], killed: Sequence[str], rerun: Sequen
         once = "exactly once each" if set(want.values()) == {1} else "as often as the reference"
         return f"samples: all {len(want)} trained {once}"
     missing, extra = want - got, got - want
-    return (
-        f"samples: {sum(missing.values())} trainings missing (e.g. {sorted(missing)[:5]}), "
-        f"{sum(extra.values())} extra (e.g. {sorted(extra)[:5]})"
-    )
+    parts = [
+        f"{sum(c.values())} trainings {what} (e.g. {sorted(c)[:5]})"
+        for c, what in ((missing, "missing"), (extra, "extra"))
+        if c
+    ]
+    return "samples: " + ", ".join(parts)
 
 
 def help_text() -> str:
