@@ -4,6 +4,7 @@
 #   make test-fast -> lint, types and the library's tests without the notebooks or the slow runs
 #   make chapter N=06 -> one chapter, re-run and compared as CI does
 #   make lab    -> JupyterLab on a working copy of notebooks/ (lab/), localhost, .venv kernel
+#   make dist   -> a wheel of refimpl in dist/, to pip install into an environment you have
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -24,7 +25,7 @@ export PYTHONHASHSEED := 0
 # Notebooks show figures through the inline backend; an inherited MPLBACKEND=Agg hides them.
 unexport MPLBACKEND
 
-.PHONY: venv test test-fast lint book browser-test lab notebooks clean chapter
+.PHONY: venv test test-fast lint book browser-test lab notebooks clean chapter dist
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +51,11 @@ lab: $(LAB_STAMP)
 	$(VENV)/bin/jupyter lab --no-browser --ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) \
 		--ServerApp.root_dir=$(abspath $(LAB_DIR)) $(if $(filter 0,$(shell id -u)),--ServerApp.allow_root=True) \
 		$(LAB_ARGS)
+
+# A wheel of refimpl (no .venv needed: pip builds it in an isolated environment of its own),
+# for `pip install dist/refimpl-*.whl` into the environment a trainer already runs in.
+dist:
+	$(PYTHON) -m pip wheel --no-deps --wheel-dir dist .
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests tools notebooks

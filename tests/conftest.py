@@ -28,11 +28,13 @@ ROOT = Path(__file__).resolve().parent.parent
 _DEFAULT = 5
 _SECONDS = {
     "notebooks/10_fault_tolerant_training.ipynb": 360,
+    "tests/test_chaos_styles.py": 194,
     "tests/test_train.py": 150,
     "tests/test_chaos_trainers.py": 89,
     "tests/test_dirlock.py": 85,
     "notebooks/11_porting_an_existing_script.ipynb": 84,
     "tests/test_launch.py": 95,
+    "tests/test_chaos.py": 71,
     "notebooks/04_barriers_rank0_saving.ipynb": 48,
     "tests/test_train_sharded.py": 45,
     "tests/test_two_writers.py": 43,
@@ -44,7 +46,6 @@ _SECONDS = {
     "tests/test_restarts.py": 28,
     "notebooks/05_atomic_saves.ipynb": 27,
     "notebooks/12_training_that_doesnt_stop.ipynb": 25,
-    "tests/test_chaos.py": 24,
     "notebooks/02_ddp_from_the_inside.ipynb": 21,
     "tests/test_sync.py": 20,
     "tests/test_special_files.py": 19,

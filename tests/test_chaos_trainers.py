@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 import uuid
@@ -45,21 +46,51 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return work / "reference"
 
 
+def _front_door_command() -> str:
+    """The one command the README and the book's intro print (the same line in both)."""
+    root = Path(__file__).parents[1]
+    found = [
+        [ln for ln in (root / name).read_text().splitlines() if ln.startswith(_CHAOS_LINE)]
+        for name in ("README.md", "book/intro.md")
+    ]
+    assert found[0] and found[0] == found[1], found
+    return found[0][0]
+
+
+_CHAOS_LINE = "python -m refimpl.chaos --kill-on"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_correct_trainer_passes_every_scenario_and_leaves_no_process(
-    tmp_path: Path, reference: Path
+def test_the_readme_command_as_printed_passes_every_scenario_and_leaves_no_process(
+    tmp_path: Path,
 ) -> None:
     tag = uuid.uuid4().hex
-    rows = chaos_toy(
-        "ok", timeout_s=150, work=tmp_path, env={"CHAOS_TEST_TAG": tag}, jobs=2, reference=reference
+    bin_dir = str(Path(sys.executable).parent)  # an activated environment: python, torchrun
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "CHAOS_TEST_TAG": tag,
+    }
+    env.pop("PYTHONUNBUFFERED", None)
+    done = subprocess.run(
+        shlex.split(_front_door_command()),
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=580,
     )
-    table = format_table(rows)
-    assert [r.scenario for r in rows] == list(SCENARIOS), table
-    assert all(r.equal and r.difference is None for r in rows), table
-    assert all(r.restarts >= 1 for r in rows), table  # every kill took the workers down
-    assert [r.landed for r in rows][1] == "saving step 12", table
-    assert all(r.resume and r.resume.startswith("resumed from step") for r in rows), table
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr[-3000:]
+    rows = {
+        ln.split()[0]: ln for ln in out.splitlines() if ln.split()[:1] in [[s] for s in SCENARIOS]
+    }
+    assert list(rows) == list(SCENARIOS), out
+    assert all(ln.rstrip().endswith("equal") for ln in rows.values()), out
+    assert "saving step 12" in rows["kill-rank0-save"], out
+    assert all("resumed from step" in ln for ln in rows.values()), out
+    assert re.search(r"^4/4 scenarios bit-identical to the reference \(\d+ s\)$", out, re.M), out
     assert tagged_pids(tag) == []
 
 

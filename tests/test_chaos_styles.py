@@ -1,0 +1,144 @@
+"""refimpl.chaos on trainers written the way others write them (tests/_chaos_*_style.py,
+self-written in the style of nanoGPT and MiniMind): a restart of a trainer that builds its own
+process group under torchrun hangs, and chaos says why and how to fix it; with the fix the
+kill test gives a verdict. Each broken trainer is caught, each fixed one passes, and a trainer
+that draws no randomness earns the caveat."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from refimpl.chaos import format_table, run_chaos
+
+HERE = Path(__file__).parent
+NANO, MINI = str(HERE / "_chaos_nanogpt_style.py"), str(HERE / "_chaos_minimind_style.py")
+FIX = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # the fix chaos names for a restart hang
+
+
+def torchrun(script: str, *args: str) -> list[str]:
+    """The command a user runs: torchrun with two workers and restarts, then the script."""
+    exe = Path(sys.executable).with_name("torchrun")
+    head = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    return [
+        *head,
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=2",
+        script,
+        "--out",
+        "{out}",
+        *args,
+    ]
+
+
+def _reference(cmd: list[str], kill_on: str, work: Path) -> Path:
+    assert run_chaos(cmd, kill_on=kill_on, compare="final.pt", scenarios=[], work=work) == []
+    return work / "reference"
+
+
+@pytest.fixture(scope="module")
+def nano_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One uninterrupted run, shared: the variants differ only in what a checkpoint holds."""
+    work = tmp_path_factory.mktemp("nano")
+    return _reference(torchrun(NANO, "--rng-save"), r"^iter 6:", work)
+
+
+def _nano(variant: list[str], reference: Path, work: Path, restarts: int = 2, **kw: object) -> str:
+    cmd = [
+        a.replace("--max-restarts=2", f"--max-restarts={restarts}")
+        for a in torchrun(NANO, *variant)
+    ]
+    (row,) = run_chaos(
+        cmd,
+        kill_on=r"^iter 6:",
+        compare="final.pt",
+        ignore=["out_dir"],
+        scenarios=["kill-rank1"],
+        timeout_s=240,
+        reference=reference,
+        work=work,
+        **kw,
+    )
+    return f"{row.difference or 'equal'}\n{row.detail or ''}\n{format_table([row])}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_nanogpt_style_restart_hang_is_explained_then_the_fix_passes(
+    nano_reference: Path, tmp_path: Path
+) -> None:
+    # The restarted workers meet the killed attempt's keys in torchrun's shared store: they
+    # wait for peers that are gone (a stall, ended after 20 s), fail to connect, or (a race)
+    # find the new keys in time. One restart allowed, up to three tries: chaos must explain
+    # every failure and never wait out its timeout.
+    stalled = "stalled after the kill: no output for 20 s; ranks 0, 1 running, in restart "
+    refused = "exited 1 after the kill; rank "
+    failures = []
+    for attempt in range(3):
+        got = _nano(
+            ["--rng-save"], nano_reference, tmp_path / f"hang{attempt}", stall_s=20, restarts=1
+        )
+        assert got.startswith((stalled, refused, "equal\n")), got
+        if not got.startswith("equal"):
+            failures.append(got)
+            break
+    assert failures, "three restarts in a row found the new keys in time"
+    assert "_chaos_nanogpt_style.py" in failures[0] and "init_process_group" in failures[0]
+    assert "Known cause: the trainer creates its own process group" in failures[0]
+    fixed = _nano(["--rng-save"], nano_reference, tmp_path / "fixed", env=FIX)
+    assert fixed.startswith("equal\n"), fixed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_nanogpt_style_fp16_checkpoint_is_caught(nano_reference: Path, tmp_path: Path) -> None:
+    fp16 = _nano(["--rng-save", "--ckpt-dtype", "float16"], nano_reference, tmp_path / "a", env=FIX)
+    assert fp16.split(": max abs diff ")[0] == "model.0.weight", fp16
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_trainer_that_draws_no_randomness_earns_the_caveat(tmp_path: Path) -> None:
+    cmd = torchrun(NANO, "--dropout", "0.0", "--batches", "sequential")
+    (row,) = run_chaos(
+        cmd,
+        kill_on=r"^iter 6:",
+        compare="final.pt",
+        ignore=["out_dir"],
+        perturb=True,
+        scenarios=["rng-perturb"],
+        timeout_s=240,
+        env=FIX,
+        work=tmp_path,
+    )
+    assert row.equal and row.detail is not None, format_table([row])
+    assert row.detail.startswith("CAVEAT: reseeding every worker's global RNGs"), row.detail
+    # (a trainer that does draw after the kill line gets no caveat: tests/test_chaos.py)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_minimind_style_per_epoch_reseed_is_caught_and_the_fix_passes(tmp_path: Path) -> None:
+    kill_on = r"^Epoch:\[2/2\]\(0/"
+    reference = _reference(torchrun(MINI), kill_on, tmp_path / "ref")
+    for variant, work in (([], "broken"), (["--fixed"], "fixed")):
+        (row,) = run_chaos(
+            torchrun(MINI, *variant),
+            kill_on=kill_on,
+            compare="final.pt",
+            scenarios=["kill-rank1"],
+            timeout_s=240,
+            env=FIX,
+            reference=reference,
+            work=tmp_path / work,
+        )
+        table = format_table([row])
+        assert row.resume == "resuming from epoch 0 step 3", table
+        if variant:
+            assert row.equal, table
+        else:
+            assert not row.equal and row.difference is not None, table
+            assert row.difference.startswith("model.0.weight: max abs diff"), table
