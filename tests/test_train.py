@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from refimpl.checkpoint import list_checkpoints
+from refimpl.checkpoint import PACK, list_checkpoints
 from refimpl.demos.train import (
     Event,
     TrainRun,
@@ -155,7 +155,7 @@ def test_a_corrupt_latest_checkpoint_is_skipped_and_its_steps_retrained(
 ) -> None:
     args = ["--steps", "8", "--save-every", "4", "--samples", "64", "--ckpt-dir", str(tmp_path)]
     assert spawn(main, 1, args, timeout_s=60) == [0]
-    weights = tmp_path / "step_00000008" / "model.pt"
+    weights = tmp_path / "step_00000008" / PACK
     data = bytearray(weights.read_bytes())
     data[-100] ^= 0xFF  # one flipped bit pattern, same size: only the digest can tell
     weights.write_bytes(bytes(data))
@@ -203,7 +203,7 @@ def test_committed_steps_that_all_fail_to_load_stop_the_trainer_with_the_reasons
     args = ["--steps", "8", "--save-every", "4", "--samples", "64", "--ckpt-dir", str(tmp_path)]
     assert spawn(main, 1, args, timeout_s=60) == [0]
     for _, step_dir in list_checkpoints(tmp_path):
-        weights = step_dir / "model.pt"
+        weights = step_dir / PACK
         data = bytearray(weights.read_bytes())
         data[-100] ^= 0xFF
         weights.write_bytes(bytes(data))
