@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from refimpl import _paced_writer
+from refimpl import _paced_writer, _pacer
 from refimpl._paced_writer import PIECE_BYTES, PacedWriter, _Pacer
 
 
@@ -116,7 +116,7 @@ def test_unpaced_background_writes_never_sleep_and_only_share_1_cuts_pieces(
 ) -> None:
     rec = _Recorder(monkeypatch)
     slept: list[float] = []
-    monkeypatch.setattr(_paced_writer.time, "sleep", slept.append)
+    monkeypatch.setattr(_pacer.time, "sleep", slept.append)
     state = _state()
     _async_save(state, PacedWriter(tmp_path / "bg", cpu_share=share))
     assert slept == []
@@ -146,9 +146,9 @@ def test_the_pacer_sleeps_until_cpu_time_is_within_its_share(
 ) -> None:
     clock = {"cpu": 10.0, "wall": 100.0}
     slept: list[float] = []
-    monkeypatch.setattr(_paced_writer.time, "thread_time", lambda: clock["cpu"])
-    monkeypatch.setattr(_paced_writer.time, "monotonic", lambda: clock["wall"])
-    monkeypatch.setattr(_paced_writer.time, "sleep", slept.append)
+    monkeypatch.setattr(_pacer.time, "thread_time", lambda: clock["cpu"])
+    monkeypatch.setattr(_pacer.time, "monotonic", lambda: clock["wall"])
+    monkeypatch.setattr(_pacer.time, "sleep", slept.append)
     pacer = _Pacer(0.25)
     pacer.start()
     clock["cpu"] += 0.5  # half a CPU-second in 1 s of wall: at 25%, due at 2 s

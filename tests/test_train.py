@@ -338,3 +338,25 @@ def test_step_timeout_is_refused_when_torchruns_timer_is_off(
     assert parse_args(["--step-timeout", "5"]).step_timeout == 5.0
     with pytest.raises(SystemExit):
         parse_args(["--step-timeout", "0"])
+
+
+@pytest.mark.timeout(150)
+def test_file_async_save_commits_every_step_and_its_step_4_resumes_bit_identically(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--async-save`` without ``--sharded``: rank 0 writes each file checkpoint in the
+    background (the commit is logged after the next steps trained), the last one before the
+    final weights; a synchronous resume from its step 4 ends on the same weights."""
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    args = [*ARGS, "--steps", "8", "--save-every", "2", "--keep-last", "4"]
+    run = [*args, "--ckpt-dir", str(full / "ckpt"), "--final-weights", str(full / "w.pt")]
+    assert spawn(main, 2, [*run, "--async-save"], timeout_s=120, rank_output="show") == [0, 0]
+    out = capsys.readouterr().out
+    assert [s for s, _ in list_checkpoints(full / "ckpt")] == [2, 4, 6, 8]
+    assert out.index("saving step 2 in the background") < out.index("step 3 loss")
+    assert out.index("step 3 loss") < out.index("saved step_00000002")
+    assert out.index("saved step_00000008") < out.index("final weights at step 8")
+    shutil.copytree(full / "ckpt" / "step_00000004", cut / "ckpt" / "step_00000004")
+    resumed = [*args, "--ckpt-dir", str(cut / "ckpt"), "--final-weights", str(cut / "w.pt")]
+    assert spawn(main, 2, resumed, timeout_s=120) == [0, 0]
+    assert same_weights(full / "w.pt", cut / "w.pt")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import operator
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -80,6 +81,37 @@ def find_unloadable(value: Any, where: str = "state", depth: int = 0) -> str | N
     if _allowlisted(kind):
         return None
     return f"{where} is a {kind.__module__}.{kind.__qualname__}"
+
+
+def as_step(step: Any) -> int:
+    """``step`` as a plain int: numpy and 0-d integer tensors are accepted, floats are not;
+    ``ValueError`` for anything else or a negative step."""
+    if isinstance(step, bool):
+        raise ValueError(f"step must be an integer, got {step!r}")
+    try:
+        value = operator.index(step)
+    except TypeError as exc:
+        raise ValueError(f"step must be an integer, got {type(step).__name__} {step!r}") from exc
+    if value < 0:
+        raise ValueError(f"step must be >= 0, got {value}")
+    return value
+
+
+def refusal(state: Mapping[str, Any]) -> str | None:
+    """Why ``state`` cannot be saved as a file checkpoint, or None: ``ValueError`` for bad
+    keys (not non-empty, file-name-safe strings); else the first value that
+    ``torch.load(weights_only=True)`` would not rebuild, and the fix, as one sentence."""
+    bad = [k for k in state if not (isinstance(k, str) and KEY_RE.fullmatch(k))]
+    if bad or not state:
+        raise ValueError(f"state must be a non-empty dict with file-name-safe str keys; bad: {bad}")
+    for key, value in state.items():
+        problem = find_unloadable(value, f"state[{key!r}]")
+        if problem:
+            return (
+                f"{problem}, which torch.load(weights_only=True) will not rebuild, so this "
+                f"checkpoint could never be loaded. Fix: {fix_for(problem)}."
+            )
+    return None
 
 
 def _allowlisted(kind: type) -> bool:

@@ -27,8 +27,6 @@ are ``FileSystemWriter``'s: plain ``dcp.load`` reads them.
 from __future__ import annotations
 
 import os
-import threading
-import time
 from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any
@@ -36,41 +34,11 @@ from typing import Any
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from refimpl._low_priority import LowPriorityWriter
+from refimpl._pacer import PIECE_BYTES, Pacer, check_cpu_share
 
 __all__ = ["PIECE_BYTES", "PacedWriter", "check_cpu_share"]
 
-PIECE_BYTES = 1 << 20
-"""The most a paced write hands the kernel at once: a sleep can follow every piece, so a
-step overlapping the write meets at most one piece's copy (about a third of a millisecond
-here) before the writer yields."""
-
-
-def check_cpu_share(share: float | None) -> None:
-    """Refuse a ``cpu_share`` that is neither None nor a number in (0, 1]."""
-    if share is not None and not (isinstance(share, int | float) and 0 < share <= 1):
-        raise ValueError(f"cpu_share must be a number in (0, 1] or None, got {share!r}")
-
-
-class _Pacer:
-    """Sleeps whenever the calling thread's CPU time is ahead of ``share`` times the wall time
-    since `start` (each thread that writes keeps its own clock); never, for ``share`` None."""
-
-    def __init__(self, share: float | None) -> None:
-        self.share = share
-        self._clock = threading.local()
-
-    def start(self) -> None:
-        self._clock.cpu0, self._clock.wall0 = time.thread_time(), time.monotonic()
-
-    def wait(self) -> None:
-        if self.share is None:
-            return
-        if not hasattr(self._clock, "cpu0"):  # a writing thread of DCP's own (thread_count > 1)
-            self.start()
-        ahead = (time.thread_time() - self._clock.cpu0) / self.share
-        ahead -= time.monotonic() - self._clock.wall0
-        if ahead > 0:
-            time.sleep(ahead)
+_Pacer = Pacer  # the tests patch its wait through this module
 
 
 class _PacedStream:

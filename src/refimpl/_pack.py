@@ -10,12 +10,16 @@ range and ``torch.load``\\ s that range alone (through `KeyWindow`, never copyin
 
 from __future__ import annotations
 
+import contextlib
 import io
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import IO, Any
 
 import torch
+
+from refimpl._pacer import PIECE_BYTES
 
 PACK = "state.pack"
 """The name of the file that holds every key (manifest format 3)."""
@@ -32,6 +36,19 @@ class KeyRange:
 
 
 _IN_MEMORY_BYTES = 64 << 20
+_pacing = threading.local()
+
+
+@contextlib.contextmanager
+def paced(pace: Callable[[], None] | None) -> Iterator[None]:
+    """Inside the block, `write_pack` in this thread hands its file `PIECE_BYTES` at a time
+    and calls ``pace()`` after each piece (a background writer's pacer); None: unpaced."""
+    previous = getattr(_pacing, "pace", None)
+    _pacing.pace = pace
+    try:
+        yield
+    finally:
+        _pacing.pace = previous
 
 
 def _tensor_bytes(value: Any, limit: int, depth: int = 0) -> int:
@@ -64,6 +81,8 @@ def write_pack(
     """
     ranges = {}
     written = 0
+    pace = getattr(_pacing, "pace", None)
+    sink: Any = f if pace is None else _Pieces(f, pace)
     for key, value in state.items():
         if on_key is not None:
             on_key(key)
@@ -71,11 +90,11 @@ def write_pack(
             buf = io.BytesIO()
             torch.save(value, buf)
             with buf.getbuffer() as view:
-                f.write(view)
+                sink.write(view)
                 length = view.nbytes
             del buf
         else:
-            out = _Counting(f)
+            out = _Counting(sink)
             torch.save(value, out)  # type: ignore[arg-type]  # a writable file-like is enough
             length = out.written
         ranges[key] = KeyRange(PACK, written, length)
@@ -83,15 +102,32 @@ def write_pack(
     return ranges
 
 
+class _Pieces:
+    """Hands ``f`` at most `PIECE_BYTES` per write, calling ``pace()`` after each piece."""
+
+    def __init__(self, f: IO[bytes], pace: Callable[[], None]) -> None:
+        self._f, self._pace = f, pace
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), PIECE_BYTES):
+            self._f.write(view[start : start + PIECE_BYTES])
+            self._pace()
+        return len(view)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
 class _Counting:
     """Passes writes through and counts their bytes."""
 
-    def __init__(self, f: IO[bytes]) -> None:
+    def __init__(self, f: Any) -> None:
         self._f = f
         self.written = 0
 
     def write(self, data: Any) -> int:
-        n = self._f.write(data)
+        n: int = self._f.write(data)
         self.written += memoryview(data).nbytes
         return n
 

@@ -308,13 +308,16 @@ def _fsync_tree(root: Path) -> None:
     global _fsync_pool
     for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
         paths = [os.path.join(dirpath, name) for name in filenames]
-        if len(paths) > 1:
-            if _fsync_pool is None:
-                _fsync_pool = ThreadPoolExecutor(_FSYNC_THREADS, thread_name_prefix="fsync")
-            for done in [_fsync_pool.submit(_fsync_path, p) for p in paths]:
-                done.result()  # waits for all of them; raises the first failure
-        elif paths:
-            _fsync_path(paths[0])
+        if _fsync_pool is None and len(paths) > 1:
+            _fsync_pool = ThreadPoolExecutor(_FSYNC_THREADS, thread_name_prefix="fsync")
+        try:
+            pending = [_fsync_pool.submit(_fsync_path, p) for p in paths] if _fsync_pool else []
+        except RuntimeError:  # at interpreter exit (a background save finishing): one by one
+            pending = []
+        for done in pending:
+            done.result()  # waits for all of them; raises the first failure
+        for path in paths if not pending else []:
+            _fsync_path(path)
         fsync_dir(dirpath)
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import operator
 import os
 import re
 import shutil
@@ -37,15 +36,15 @@ from typing import IO, Any
 import torch
 
 from refimpl import __version__
+from refimpl._file_async import AsyncCheckpointer
 from refimpl._manifest import (
     FORMAT,
-    KEY_RE,
     MAX_MANIFEST_BYTES,
     ManifestError,
-    find_unloadable,
-    fix_for,
+    as_step,
     key_ranges,
     parse,
+    refusal,
 )
 from refimpl._pack import PACK as _PACK
 from refimpl._pack import KeyRange, KeyWindow, write_pack
@@ -65,6 +64,7 @@ from refimpl.atomic import (
 __all__ = [
     "MANIFEST",
     "PACK",
+    "AsyncCheckpointer",
     "CheckpointError",
     "list_checkpoints",
     "load_checkpoint",
@@ -101,19 +101,6 @@ def step_dir_name(step: int) -> str:
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     return f"step_{step:08d}"
-
-
-def _as_step(step: Any) -> int:
-    """``step`` as a plain int: numpy and 0-d integer tensors are accepted, floats are not."""
-    if isinstance(step, bool):
-        raise ValueError(f"step must be an integer, got {step!r}")
-    try:
-        value = operator.index(step)
-    except TypeError as exc:
-        raise ValueError(f"step must be an integer, got {type(step).__name__} {step!r}") from exc
-    if value < 0:
-        raise ValueError(f"step must be >= 0, got {value}")
-    return value
 
 
 def list_checkpoints(ckpt_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
@@ -373,18 +360,9 @@ def _prune(ckpt_dir: Path, keep_last: int, saved_step: int) -> None:
 
 
 def _validate(state: Mapping[str, Any], final: Path) -> None:
-    bad = [k for k in state if not (isinstance(k, str) and KEY_RE.fullmatch(k))]
-    if bad or not state:
-        raise ValueError(f"state must be a non-empty dict with file-name-safe str keys; bad: {bad}")
-    for key, value in state.items():
-        problem = find_unloadable(value, f"state[{key!r}]")
-        if problem:
-            raise CheckpointError(
-                final,
-                f"refused before writing anything: {problem}, which "
-                f"torch.load(weights_only=True) will not rebuild, so this checkpoint could "
-                f"never be loaded. Fix: {fix_for(problem)}.",
-            )
+    problem = refusal(state)
+    if problem:
+        raise CheckpointError(final, f"refused before writing anything: {problem}")
 
 
 def save_checkpoint(
@@ -415,7 +393,7 @@ def save_checkpoint(
 
         save_checkpoint("ckpt", {"model": model.state_dict(), "optim": opt.state_dict()}, 200)
     """
-    step = _as_step(step)
+    step = as_step(step)
     if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
         raise ValueError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
     root = Path(ckpt_dir)
