@@ -96,7 +96,7 @@ class _Stager:
         if (
             buf is None
             or (buf.shape, buf.dtype) != (src.shape, src.dtype)
-            or (buf.stride() != src.stride() and src.is_contiguous())
+            or buf.stride() != src.stride()
         ):
             pin = self.pinned and src.device.type == "cuda"
             buf = torch.empty_like(src, device="cpu", pin_memory=pin)
