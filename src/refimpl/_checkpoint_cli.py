@@ -109,7 +109,8 @@ def _cmd_verify(path: Path) -> int:
     for _, step_dir in targets:
         try:
             manifest = _verifier(step_dir)(step_dir)
-            print(f"OK   {step_dir}: {len(manifest['files'])} files verified")
+            count = len(manifest["files"])
+            print(f"OK   {step_dir}: {count} file{'' if count == 1 else 's'} verified")
         except CheckpointError as exc:
             failed += 1
             print(f"BAD  {exc.path}: {exc.reason}")
