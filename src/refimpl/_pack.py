@@ -35,7 +35,7 @@ class KeyRange:
     length: int | None = None
 
 
-_IN_MEMORY_BYTES = 64 << 20
+_IN_MEMORY_BYTES = 1 << 20
 _pacing = threading.local()
 
 
@@ -74,7 +74,7 @@ def write_pack(
     """``torch.save`` each value of ``state`` into ``f`` in turn; return each key's range.
 
     ``f`` only needs ``write``: torch's zip writer never seeks, and the offsets inside each
-    archive are relative to its own start. A value with under 64 MiB of tensors is built in
+    archive are relative to its own start. A value with under 1 MiB of tensors is built in
     memory and written in one call (torch's zip writer issues several small writes per
     tensor, each a Python call down the stack of file wrappers); a larger one streams.
     ``on_key(key)`` is called as each key starts (so a failure can name it).
