@@ -17,8 +17,16 @@ from torch.distributed.checkpoint import _async_process_executor
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from refimpl.bench._save_files import FILE_METHODS, nanogpt_state
 from refimpl.bench._save_overhead import METHODS, make_stager, one_rank_group
 from refimpl.bench.save import main
+
+FILE_RATIOS = (
+    "save_checkpoint / torch_save_fsync",
+    "async_checkpoint blocking / floor_memcpy",
+    "train step during file thread save / alone",
+    "train step during file paced thread save / alone",
+)
 
 
 @pytest.mark.slow
@@ -33,7 +41,7 @@ def test_overhead_benchmark_rows_ratios_and_plot(tmp_path: Path) -> None:
         assert r["repeats"] == 5
         assert r["blocking_s_min"] <= r["blocking_s_median"] <= r["blocking_s_max"]
         assert r["blocking_s_median"] <= r["total_s_median"] * 1.0001, r["method"]
-        if not r["method"].startswith("dcp_async"):  # synchronous: blocked for all of it
+        if not r["method"].startswith(("dcp_async", "async_")):  # synchronous: blocked for all
             assert r["blocking_s_median"] == r["total_s_median"]
     assert set(data["ratios"]) == {"2", "4"} and set(data["train_step"]) == {"2", "4"}
     kinds = ("save", "low_save", "piece_save", "paced_save", "process_save")
@@ -64,6 +72,14 @@ def test_overhead_benchmark_rows_ratios_and_plot(tmp_path: Path) -> None:
             gil = data["gil_wait"][size]
             assert set(gil) == {f"gil_wait_fraction_{k}" for k in kinds}
             assert all(0 <= v < 1 for v in gil.values()), gil
+    for size, ratios in data["ratios"].items():  # the file checkpoints, side by side
+        for name in FILE_RATIOS:
+            assert math.isfinite(ratios[name]) and ratios[name] > 0, (size, name)
+        assert data["train_step"][size]["steps_during_file_paced_save"] >= 1
+    small = data["small_state"]  # the nanoGPT-like state: 14 keys, about 10 MB
+    assert {r["method"] for r in small["rows"]} == set(FILE_METHODS)
+    assert all(r["keys"] == 14 and 8e6 < r["bytes"] < 12e6 for r in small["rows"])
+    assert set(small["goals_met"]) == {"save_checkpoint / torch_save_fsync"}
     # the benchmark's one-rank group and DCP's checkpoint daemon are gone afterwards
     assert not dist.is_initialized()
     assert _async_process_executor._CHECKPOINT_PROCESS is None
@@ -147,3 +163,18 @@ def test_the_table_fits_a_book_page_with_one_line_per_method() -> None:
         assert line.startswith(LABELS[method].replace("\n", " ")), (line, method)
         seconds = re.findall(r"\d\.\d{3} s", line)  # blocked and total per size
         assert len(seconds) == 2 * len(data["ratios"]), line
+
+
+def test_the_nanogpt_like_state_has_14_keys_about_10_mb_and_round_trips(tmp_path: Path) -> None:
+    """The benchmark's small state is what the issue measured: 14 top-level keys, ~10 MB,
+    tied embedding weights, and it saves and loads back through a file checkpoint."""
+    from refimpl.bench._save_files import tensors_of
+    from refimpl.checkpoint import load_checkpoint, save_checkpoint
+
+    state = nanogpt_state()
+    assert len(state) == 14
+    assert 8e6 < sum(t.numel() * t.element_size() for t in tensors_of(state)) < 12e6
+    loaded = load_checkpoint(save_checkpoint(tmp_path, state, 1))
+    assert loaded["iter_num"] == 2000 and loaded["config"] == state["config"]
+    for name, value in state["model"].items():
+        assert torch.equal(loaded["model"][name], value), name

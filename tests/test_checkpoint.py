@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import shlex
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 from refimpl.atomic import _OWNER, COMMIT_MARKER, TEMP_TAG
 from refimpl.checkpoint import (
     MANIFEST,
+    PACK,
     CheckpointError,
     list_checkpoints,
     load_checkpoint,
@@ -42,14 +44,11 @@ def _same(a: dict, b: dict) -> bool:  # type: ignore[type-arg]
 def test_save_then_load_latest_round_trips(tmp_path: Path) -> None:
     path = save_checkpoint(tmp_path, make_state(7, 100), 7)
     assert path == tmp_path / "step_00000007"
-    assert sorted(p.name for p in path.iterdir()) == [
-        COMMIT_MARKER,
-        MANIFEST,
-        "meta.pt",
-        "model.pt",
-    ]
+    # One file holds every key (format 3): one creation and one fsync, however many keys.
+    assert sorted(p.name for p in path.iterdir()) == [COMMIT_MARKER, MANIFEST, PACK]
     manifest = json.loads((path / MANIFEST).read_text())
-    assert manifest["step"] == 7 and sorted(manifest["files"]) == ["meta.pt", "model.pt"]
+    assert manifest["step"] == 7 and sorted(manifest["files"]) == [PACK]
+    assert sorted(manifest["keys"]) == ["meta", "model"]
     step, state = load_latest(tmp_path)  # type: ignore[misc]
     assert step == 7 and _same(state, make_state(7, 100))
 
@@ -95,16 +94,16 @@ def _flip_bit(p: Path) -> None:
 
 def _wrong_manifest(step_dir: Path) -> None:
     m = json.loads((step_dir / MANIFEST).read_text())
-    entry = m["files"]["model.pt"]
+    entry = m["files"][PACK]
     entry[next(k for k in entry if k != "bytes")] = "0" * 32
     (step_dir / MANIFEST).write_text(json.dumps(m))
 
 
 CORRUPTIONS = {
-    "truncated": (lambda d: _truncate(d / "model.pt"), "model.pt", "manifest says"),
-    "flipped bit": (lambda d: _flip_bit(d / "model.pt"), "model.pt", "xxh3_128 mismatch"),
-    "missing file": (lambda d: (d / "model.pt").unlink(), "model.pt", "missing"),
-    "manifest mismatch": (_wrong_manifest, "model.pt", "xxh3_128 mismatch"),
+    "truncated": (lambda d: _truncate(d / PACK), PACK, "manifest says"),
+    "flipped bit": (lambda d: _flip_bit(d / PACK), PACK, "xxh3_128 mismatch"),
+    "missing file": (lambda d: (d / PACK).unlink(), PACK, "missing"),
+    "manifest mismatch": (_wrong_manifest, PACK, "xxh3_128 mismatch"),
     "no manifest": (lambda d: (d / MANIFEST).unlink(), MANIFEST, "manifest missing"),
     "no marker": (lambda d: (d / COMMIT_MARKER).unlink(), "step_00000002", "incomplete"),
 }
@@ -128,21 +127,21 @@ def test_corruption_is_named_and_load_latest_falls_back(tmp_path: Path, kind: st
 
 def test_default_fallback_report_is_a_logged_warning(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
     save_checkpoint(tmp_path, make_state(1, 10), 1)
-    _flip_bit(save_checkpoint(tmp_path, make_state(2, 10), 2) / "model.pt")
+    _flip_bit(save_checkpoint(tmp_path, make_state(2, 10), 2) / PACK)
     assert load_latest(tmp_path)[0] == 1  # type: ignore[index]
     assert "skipped step_00000002" in caplog.text and "xxh3_128 mismatch" in caplog.text
 
 
 def test_every_checkpoint_corrupt_loads_nothing_and_says_so(tmp_path: Path) -> None:
     for step in (1, 2):
-        _truncate(save_checkpoint(tmp_path, make_state(step, 100), step) / "model.pt")
+        _truncate(save_checkpoint(tmp_path, make_state(step, 100), step) / PACK)
     skipped: list[str] = []
     assert load_latest(tmp_path, on_skip=lambda d, r: skipped.append(d.name)) is None
     assert skipped == ["step_00000002", "step_00000001"]
 
 
 def test_nothing_is_deserialised_before_it_verifies(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    _flip_bit(save_checkpoint(tmp_path, make_state(1, 100), 1) / "model.pt")
+    _flip_bit(save_checkpoint(tmp_path, make_state(1, 100), 1) / PACK)
     calls: list[object] = []
     monkeypatch.setattr(torch, "load", lambda *a, **k: calls.append(a))
     assert load_latest(tmp_path, on_skip=lambda d, r: None) is None
@@ -249,9 +248,9 @@ def test_every_file_and_directory_is_fsynced_before_the_step_is_published(tmp_pa
     with trace_io() as events:
         save_checkpoint(tmp_path, make_state(1, 10), 1)
     fsyncs = [e for e in events if e.startswith("fsync")]
-    # model.pt, meta.pt, MANIFEST.json, COMMITTED; then the step directory; then, after the
-    # rename, its parent.
-    assert fsyncs == ["fsync file"] * 4 + ["fsync directory"] * 2
+    # state.pack, MANIFEST.json, COMMITTED; then the step directory; then, after the rename,
+    # its parent.
+    assert fsyncs == ["fsync file"] * 3 + ["fsync directory"] * 2
 
 
 # --- Issue 14 / 13: a re-save never loses the committed copy ------------------------------
@@ -336,13 +335,10 @@ def test_ctrl_c_during_a_resave_keeps_the_old_copy(tmp_path: Path, monkeypatch) 
     save_checkpoint(tmp_path, {"meta": {"v": 1}}, 3)
     import refimpl.checkpoint as ck
 
-    def interrupted(obj):  # type: ignore[no-untyped-def]
-        def write(f):  # type: ignore[no-untyped-def]
-            raise KeyboardInterrupt
+    def interrupted(f, state, on_key=None):  # type: ignore[no-untyped-def]
+        raise KeyboardInterrupt
 
-        return write
-
-    monkeypatch.setattr(ck, "_saver", interrupted)
+    monkeypatch.setattr(ck, "write_pack", interrupted)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(tmp_path, {"meta": {"v": 2}}, 3)
     monkeypatch.undo()
@@ -385,12 +381,15 @@ HOSTILE_MANIFESTS = {
     "files is a list": lambda m: m.update(files=list(m["files"])),
     "bytes Infinity": lambda m: json.dumps(m).replace('"bytes": ', '"bytes": Infinity, "x": '),
     "deeply nested": lambda m: "[" * 100_000 + "]" * 100_000,
-    "absolute path": lambda m: m["files"].update({"/etc/passwd": m["files"]["model.pt"]}),
-    "parent path": lambda m: m["files"].update({"../model.pt": m["files"]["model.pt"]}),
-    "omits a file": lambda m: m["files"].pop("meta.pt"),
+    "absolute path": lambda m: m["files"].update({"/etc/passwd": m["files"][PACK]}),
+    "parent path": lambda m: m["files"].update({"../model.pt": m["files"][PACK]}),
+    "omits a file": lambda m: m["files"].pop(PACK),
+    "key points at another's bytes": lambda m: m["keys"]["meta"].update(m["keys"]["model"]),
+    "key range past the end": lambda m: m["keys"]["meta"].update(bytes=10**9),
+    "no table of keys": lambda m: m.pop("keys"),
     "future format": lambda m: m.update(format=99),
     "not an object": lambda m: "[1, 2]",
-    "bytes negative": lambda m: m["files"]["model.pt"].update(bytes=-1),
+    "bytes negative": lambda m: m["files"][PACK].update(bytes=-1),
 }
 
 
@@ -446,10 +445,11 @@ def test_hash_consistent_garbage_falls_back(tmp_path: Path) -> None:
     save_checkpoint(tmp_path, make_state(1, 100), 1)
     newest = save_checkpoint(tmp_path, make_state(2, 100), 2)
     garbage = b"PK\x03\x04" + os.urandom(2000)
-    (newest / "model.pt").write_bytes(garbage)
+    (newest / PACK).write_bytes(garbage)
 
     def fix(m):  # type: ignore[no-untyped-def]
-        m["files"]["model.pt"] = {"sha256": hashlib.sha256(garbage).hexdigest(), "bytes": 2004}
+        m["files"][PACK] = {"sha256": hashlib.sha256(garbage).hexdigest(), "bytes": 2004}
+        m["keys"] = {"model": {"file": PACK, "offset": 0, "bytes": 2004}}
 
     _edit_manifest(newest, fix)
     assert load_latest(tmp_path, on_skip=lambda d, why: None)[0] == 1  # type: ignore[index]
@@ -505,7 +505,7 @@ def test_manifest_records_format_and_versions(tmp_path: Path) -> None:
 
     step_dir = save_checkpoint(tmp_path, {"m": 1}, 1)
     manifest = verify_checkpoint(step_dir)
-    assert manifest["format"] == 2 and manifest["torch"] == torch.__version__
+    assert manifest["format"] == 3 and manifest["torch"] == torch.__version__
     assert manifest["refimpl"] == refimpl.__version__
 
 
@@ -522,8 +522,11 @@ def test_a_format_1_checkpoint_with_sha256_digests_still_loads(tmp_path: Path) -
     import hashlib
 
     step_dir = save_checkpoint(tmp_path, {"meta": {"v": 1}}, 1)
+    # A pack of one key is that key's torch.save archive, the whole file: format 1's meta.pt.
+    (step_dir / PACK).rename(step_dir / "meta.pt")
 
     def to_format_1(m):  # type: ignore[no-untyped-def]
+        del m["keys"]
         data = (step_dir / "meta.pt").read_bytes()
         m.update(
             format=1,
@@ -567,9 +570,9 @@ def test_cli_list_verify_inspect_on_good_and_corrupted_checkpoints(tmp_path: Pat
     code, out = _cli("verify", str(tmp_path / "step_00000200"))
     assert code == 0 and out.startswith("OK"), out
 
-    _flip_bit(tmp_path / "step_00000200" / "model.pt")
+    _flip_bit(tmp_path / "step_00000200" / PACK)
     code, out = _cli("verify", str(tmp_path))
-    assert code == 1 and "BAD" in out and "step_00000200/model.pt" in out, out
+    assert code == 1 and "BAD" in out and f"step_00000200/{PACK}" in out, out
     assert "OK" in out and "step_00000100" in out  # the good step is still reported good
     code, out = _cli("list", str(tmp_path))
     assert code == 1 and "BAD: xxh3_128 mismatch" in out, out
@@ -711,15 +714,15 @@ def test_a_failed_save_names_the_step_and_the_key_not_a_temporary_file(tmp_path:
     with inject_io_error(errno.EACCES), pytest.raises(CheckpointError) as info:
         save_checkpoint(tmp_path, {"model": torch.ones(2)}, 2)
     text = str(info.value).replace(str(tmp_path), "TMP")
-    assert TEMP_TAG not in text and "previous model.pt" not in text, text
-    assert "step_00000002" in text and "model.pt" in text and "permissions" in text, text
+    assert TEMP_TAG not in text and f"previous {PACK}" not in text, text
+    assert "step_00000002" in text and "key 'model'" in text and "permissions" in text, text
     assert "disk" not in text, text
 
 
 def test_on_load_gets_the_returned_steps_verified_manifest_only(tmp_path: Path) -> None:
     save_checkpoint(tmp_path, {"model": {"w": torch.zeros(3)}}, 1)
     newest = save_checkpoint(tmp_path, {"model": {"w": torch.ones(3)}}, 2)
-    (newest / "model.pt").write_bytes(b"torn")  # the newest is skipped
+    (newest / PACK).write_bytes(b"torn")  # the newest is skipped
     loaded: list[tuple[str, dict]] = []  # type: ignore[type-arg]
     skipped: list[str] = []
     found = load_latest(tmp_path, on_skip=lambda d, why: skipped.append(d.name),
@@ -729,3 +732,44 @@ def test_on_load_gets_the_returned_steps_verified_manifest_only(tmp_path: Path) 
     assert [name for name, _ in loaded] == ["step_00000001"]
     manifest = json.loads((tmp_path / "step_00000001" / MANIFEST).read_text())
     assert loaded[0][1] == manifest and loaded[0][1]["step"] == 1
+
+
+# --- format 3 (one pack file) reads every older step ---------------------------------------
+
+FORMAT_2_STEP = Path(__file__).parent / "fixtures" / "format2" / "step_00000007"
+"""A step written by refimpl at commit c63ba7b (format 2: one KEY.pt per key), committed as is."""
+
+
+def test_a_format_2_step_written_by_the_old_code_still_loads(tmp_path: Path) -> None:
+    shutil.copytree(FORMAT_2_STEP, tmp_path / FORMAT_2_STEP.name)
+    assert verify_checkpoint(tmp_path / FORMAT_2_STEP.name)["format"] == 2
+    step, state = load_latest(tmp_path)  # type: ignore[misc]
+    assert step == 7 and state["meta"] == {"step": 7, "note": "written by refimpl at c63ba7b"}
+    assert torch.equal(state["model"]["w"], torch.arange(6.0).reshape(2, 3))
+    assert list(load_checkpoint(tmp_path / FORMAT_2_STEP.name, keys=["meta"])) == ["meta"]
+    # a new save beside it: both load, and pruning counts the old step like any other
+    save_checkpoint(tmp_path, {"meta": {"step": 8}}, 8, keep_last=2)
+    assert load_latest(tmp_path) == (8, {"meta": {"step": 8}})
+    assert load_checkpoint(tmp_path / FORMAT_2_STEP.name)["meta"]["step"] == 7
+    save_checkpoint(tmp_path, {"meta": {"step": 9}}, 9, keep_last=2)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [8, 9]
+
+
+def test_load_of_some_keys_unpickles_only_their_ranges(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import refimpl.checkpoint as ck
+
+    state = {"model": {"w": torch.ones(1000)}, "optim": {"s": torch.zeros(2000)}, "meta": {"v": 3}}
+    step_dir = save_checkpoint(tmp_path, state, 1)
+    ranges = verify_checkpoint(step_dir)["keys"]
+    read: list[tuple[int, int]] = []
+    real = ck._weights_only
+
+    def spy(source, path, map_location):  # type: ignore[no-untyped-def]
+        read.append((source._offset, source._length))
+        return real(source, path, map_location)
+
+    monkeypatch.setattr(ck, "_weights_only", spy)
+    loaded = load_checkpoint(step_dir, keys=["meta", "model"])
+    assert loaded == {"meta": {"v": 3}, "model": loaded["model"]}
+    assert torch.equal(loaded["model"]["w"], torch.ones(1000))
+    assert read == [(ranges[k]["offset"], ranges[k]["bytes"]) for k in ("meta", "model")]

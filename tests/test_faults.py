@@ -33,6 +33,16 @@ def test_checkpoint_survives_30_random_kills(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_async_checkpoint_survives_30_random_kills(tmp_path: Path) -> None:
+    """Kills land while a save is staged, written or committed in the background: the next
+    run still loads a complete step, never older than the last save known to be committed."""
+    report = kill_trials("async", tmp_path, 30, seed=5)
+    _assert_survived(report, 30)
+    found = load_latest(tmp_path)
+    assert found is not None and found[1]["meta"] == make_state(found[0], 1)["meta"]
+
+
+@pytest.mark.slow
 def test_atomic_save_survives_25_random_kills(tmp_path: Path) -> None:
     _assert_survived(kill_trials("atomic", tmp_path, 25, seed=2), 25)
 

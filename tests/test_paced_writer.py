@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from refimpl import _paced_writer
+from refimpl import _paced_writer, _pacer
 from refimpl._paced_writer import (
     MAX_SLEEP_S,
     MIN_CPU_SHARE,
@@ -76,7 +76,7 @@ class _SpyFile:
 def _sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """Every sleep the pacer asks for, recorded instead of slept."""
     slept: list[float] = []
-    monkeypatch.setattr(_paced_writer._UNPACED, "wait", slept.append)
+    monkeypatch.setattr(_pacer._UNPACED, "wait", slept.append)
     return slept
 
 
@@ -158,8 +158,8 @@ def test_the_pacer_sleeps_until_cpu_time_is_within_its_share(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     clock = {"cpu": 10.0, "wall": 100.0}
-    monkeypatch.setattr(_paced_writer.time, "thread_time", lambda: clock["cpu"])
-    monkeypatch.setattr(_paced_writer.time, "monotonic", lambda: clock["wall"])
+    monkeypatch.setattr(_pacer.time, "thread_time", lambda: clock["cpu"])
+    monkeypatch.setattr(_pacer.time, "monotonic", lambda: clock["wall"])
     slept = _sleeps(monkeypatch)
     pacer = _Pacer(0.25)
     pacer.start()
@@ -179,8 +179,8 @@ def test_one_sleep_is_capped_and_stop_pacing_ends_them_all(
     shares that small were refused) sleeps at most MAX_SLEEP_S per piece, not 10**4 s; once
     the process exits (stop_pacing), it sleeps no more."""
     clock = {"cpu": 10.0, "wall": 100.0}
-    monkeypatch.setattr(_paced_writer.time, "thread_time", lambda: clock["cpu"])
-    monkeypatch.setattr(_paced_writer.time, "monotonic", lambda: clock["wall"])
+    monkeypatch.setattr(_pacer.time, "thread_time", lambda: clock["cpu"])
+    monkeypatch.setattr(_pacer.time, "monotonic", lambda: clock["wall"])
     monkeypatch.setattr(_paced_writer, "_UNPACED", threading.Event())  # this test's own
     slept = _sleeps(monkeypatch)
     pacer = _Pacer(MIN_CPU_SHARE)

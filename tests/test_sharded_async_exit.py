@@ -31,11 +31,11 @@ _SCRIPT = """
         saver.close()
     elif sys.argv[3] == "paced":  # the writer's clock far ahead: every piece wants an hour's sleep
         import itertools, time, types
-        from refimpl import _paced_writer
-        _paced_writer.MAX_SLEEP_S = 3600.0  # no cap to save it: only the exit can
+        from refimpl import _pacer
+        _pacer.MAX_SLEEP_S = 3600.0  # no cap to save it: only the exit can
         ticks = itertools.count()
-        _paced_writer.time = types.ModuleType("time")  # time, with a CPU clock running fast
-        _paced_writer.time.__dict__.update(vars(time), thread_time=lambda: 1e3 * next(ticks))
+        _pacer.time = types.ModuleType("time")  # time, with a CPU clock running fast
+        _pacer.time.__dict__.update(vars(time), thread_time=lambda: 1e3 * next(ticks))
         AsyncSaver(writer_cpu_share=0.01).save(sys.argv[1], model, opt, 7)
     else:  # "stuck": the write never returns (a dead NFS server), the saver's timeout 2 s
         import threading

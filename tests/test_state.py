@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from refimpl.checkpoint import load_latest, safe_load, save_checkpoint
+from refimpl.checkpoint import load_latest, safe_load, save_checkpoint, verify_checkpoint
 from refimpl.state import (
     STATE_KEYS,
     capture_rng,
@@ -143,9 +143,8 @@ def test_user_keys_travel_through_a_checkpoint_and_come_back_as_extra(tmp_path: 
     assert set(state) == {*STATE_KEYS, "best_val_loss", "model_args"}
     state["config"] = {"lr": 3e-4, "dataset": "shakespeare_char"}  # set on the dict: same thing
     save_checkpoint(tmp_path, state, step=5)
-    assert sorted(p.name for p in (tmp_path / "step_00000005").glob("*.pt")) == sorted(
-        f"{k}.pt" for k in state
-    )  # one file per key, the user's included
+    manifest = verify_checkpoint(tmp_path / "step_00000005")
+    assert sorted(manifest["keys"]) == sorted(state)  # every key is saved, the user's included
     found = load_latest(tmp_path)
     assert found is not None
     info = restore_state(found[1], m, opt)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from refimpl.checkpoint import list_checkpoints
+from refimpl.checkpoint import PACK, list_checkpoints
 from refimpl.demos.train import (
     Event,
     TrainRun,
@@ -155,7 +155,7 @@ def test_a_corrupt_latest_checkpoint_is_skipped_and_its_steps_retrained(
 ) -> None:
     args = ["--steps", "8", "--save-every", "4", "--samples", "64", "--ckpt-dir", str(tmp_path)]
     assert spawn(main, 1, args, timeout_s=60) == [0]
-    weights = tmp_path / "step_00000008" / "model.pt"
+    weights = tmp_path / "step_00000008" / PACK
     data = bytearray(weights.read_bytes())
     data[-100] ^= 0xFF  # one flipped bit pattern, same size: only the digest can tell
     weights.write_bytes(bytes(data))
@@ -203,7 +203,7 @@ def test_committed_steps_that_all_fail_to_load_stop_the_trainer_with_the_reasons
     args = ["--steps", "8", "--save-every", "4", "--samples", "64", "--ckpt-dir", str(tmp_path)]
     assert spawn(main, 1, args, timeout_s=60) == [0]
     for _, step_dir in list_checkpoints(tmp_path):
-        weights = step_dir / "model.pt"
+        weights = step_dir / PACK
         data = bytearray(weights.read_bytes())
         data[-100] ^= 0xFF
         weights.write_bytes(bytes(data))
@@ -345,3 +345,25 @@ def test_step_timeout_is_refused_when_torchruns_timer_is_off(
         os.close(reader)
     with pytest.raises(SystemExit):
         parse_args(["--step-timeout", "0"])
+
+
+@pytest.mark.timeout(150)
+def test_file_async_save_commits_every_step_and_its_step_4_resumes_bit_identically(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--async-save`` without ``--sharded``: rank 0 writes each file checkpoint in the
+    background (the commit is logged after the next steps trained), the last one before the
+    final weights; a synchronous resume from its step 4 ends on the same weights."""
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    args = [*ARGS, "--steps", "8", "--save-every", "2", "--keep-last", "4"]
+    run = [*args, "--ckpt-dir", str(full / "ckpt"), "--final-weights", str(full / "w.pt")]
+    assert spawn(main, 2, [*run, "--async-save"], timeout_s=120, rank_output="show") == [0, 0]
+    out = capsys.readouterr().out
+    assert [s for s, _ in list_checkpoints(full / "ckpt")] == [2, 4, 6, 8]
+    assert out.index("saving step 2 in the background") < out.index("step 3 loss")
+    assert out.index("step 3 loss") < out.index("saved step_00000002")
+    assert out.index("saved step_00000008") < out.index("final weights at step 8")
+    shutil.copytree(full / "ckpt" / "step_00000004", cut / "ckpt" / "step_00000004")
+    resumed = [*args, "--ckpt-dir", str(cut / "ckpt"), "--final-weights", str(cut / "w.pt")]
+    assert spawn(main, 2, resumed, timeout_s=120) == [0, 0]
+    assert same_weights(full / "w.pt", cut / "w.pt")

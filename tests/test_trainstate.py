@@ -10,7 +10,7 @@ import _trainstate_workers as w
 import pytest
 import torch
 
-from refimpl.checkpoint import CheckpointError, load_latest, save_checkpoint
+from refimpl.checkpoint import PACK, CheckpointError, load_latest, save_checkpoint
 from refimpl.data import ResumableSampler
 from refimpl.launch import spawn
 from refimpl.state import STATE_KEYS
@@ -157,9 +157,9 @@ def test_committed_steps_that_all_fail_to_load_stop_every_rank_instead_of_starti
     state = capture_every_rank(model, opt, step=4)
     assert state is not None
     step_dir = save_checkpoint(tmp_path, state, 4)
-    (step_dir / "model.pt").write_bytes(b"flipped")  # the only step: committed, now unloadable
+    (step_dir / PACK).write_bytes(b"flipped")  # the only step: committed, now unloadable
     skipped: list[str] = []
-    with pytest.raises(CheckpointError, match=r"none of them loads \(step_00000004: .*model\.pt"):
+    with pytest.raises(CheckpointError, match=r"none of them loads \(step_00000004: .*state\.pack"):
         resume_every_rank(tmp_path, model, opt, on_skip=lambda d, why: skipped.append(d.name))
     assert skipped == ["step_00000004"]  # the caller's on_skip still hears of it
     got = spawn(w.resume_or_error, 2, str(tmp_path), timeout_s=40)

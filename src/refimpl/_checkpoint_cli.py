@@ -183,7 +183,9 @@ def _cmd_verify(path: Path) -> int:
     for _, step_dir in targets:
         try:
             manifest = _verifier(step_dir)(step_dir)
-            print(f"OK   {step_dir}: {len(manifest['files'])} files verified{_linked(step_dir)}")
+            count = len(manifest["files"])
+            plural = "" if count == 1 else "s"
+            print(f"OK   {step_dir}: {count} file{plural} verified{_linked(step_dir)}")
         except CheckpointError as exc:
             failed += 1
             print(f"BAD  {exc.path}: {exc.reason}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import operator
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,9 +20,13 @@ from typing import Any
 
 import torch
 
-FORMAT = 2
-"""The manifest format this version writes; it reads formats 1 and 2."""
-READABLE_FORMATS = (1, 2)
+from refimpl._pack import PACK, KeyRange
+
+FORMAT = 3
+"""The manifest format this version writes; it reads formats 1, 2 and 3. Formats 1 and 2: one
+``KEY.pt`` per top-level key. Format 3: every key in one file, `refimpl._pack.PACK`, at the
+range its ``"keys"`` table gives."""
+READABLE_FORMATS = (1, 2, 3)
 DIGEST_NAMES = ("xxh3_128", "sha256")  # what we write now; what format 1 wrote
 MAX_MANIFEST_BYTES = 1 << 20  # a real manifest is a few KB; anything larger is not ours
 KEY_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -34,7 +39,7 @@ _CONTAINERS = (dict, collections.OrderedDict, list, tuple, set)
 _TORCH_VALUES = (torch.Size, torch.dtype, torch.device)
 
 
-LOADABLE_SUFFIXES = (".pt", ".distcp", ".metadata")
+LOADABLE_SUFFIXES = (".pt", ".pack", ".distcp", ".metadata")
 """Names a loader reads (``torch.save`` files, DCP shards and metadata): an unlisted one in a
 step is refused; any other stray file (``.DS_Store``, an editor's swap file) is ignored."""
 
@@ -76,6 +81,37 @@ def find_unloadable(value: Any, where: str = "state", depth: int = 0) -> str | N
     if _allowlisted(kind):
         return None
     return f"{where} is a {kind.__module__}.{kind.__qualname__}"
+
+
+def as_step(step: Any) -> int:
+    """``step`` as a plain int: numpy and 0-d integer tensors are accepted, floats are not;
+    ``ValueError`` for anything else or a negative step."""
+    if isinstance(step, bool):
+        raise ValueError(f"step must be an integer, got {step!r}")
+    try:
+        value = operator.index(step)
+    except TypeError as exc:
+        raise ValueError(f"step must be an integer, got {type(step).__name__} {step!r}") from exc
+    if value < 0:
+        raise ValueError(f"step must be >= 0, got {value}")
+    return value
+
+
+def refusal(state: Mapping[str, Any]) -> str | None:
+    """Why ``state`` cannot be saved as a file checkpoint, or None: ``ValueError`` for bad
+    keys (not non-empty, file-name-safe strings); else the first value that
+    ``torch.load(weights_only=True)`` would not rebuild, and the fix, as one sentence."""
+    bad = [k for k in state if not (isinstance(k, str) and KEY_RE.fullmatch(k))]
+    if bad or not state:
+        raise ValueError(f"state must be a non-empty dict with file-name-safe str keys; bad: {bad}")
+    for key, value in state.items():
+        problem = find_unloadable(value, f"state[{key!r}]")
+        if problem:
+            return (
+                f"{problem}, which torch.load(weights_only=True) will not rebuild, so this "
+                f"checkpoint could never be loaded. Fix: {fix_for(problem)}."
+            )
+    return None
 
 
 def _allowlisted(kind: type) -> bool:
@@ -143,7 +179,10 @@ def parse(path: Path, raw: bytes, present: set[str]) -> dict[str, tuple[int, str
         raise ManifestError("'files' is missing or not a non-empty object")
     expected: dict[str, tuple[int, str, str]] = {}
     for name, entry in files.items():
-        if not (isinstance(name, str) and name.endswith(".pt") and KEY_RE.fullmatch(name[:-3])):
+        packed = fmt == 3 and name == PACK
+        if not packed and not (
+            isinstance(name, str) and name.endswith(".pt") and KEY_RE.fullmatch(name[:-3])
+        ):
             raise ManifestError(f"file name {name!r} is not a plain KEY.pt name in the step")
         if not isinstance(entry, dict):
             raise ManifestError(f"entry for {name} is not an object")
@@ -157,6 +196,7 @@ def parse(path: Path, raw: bytes, present: set[str]) -> dict[str, tuple[int, str
         if not (isinstance(digest, str) and _HEX_RE.fullmatch(digest)):
             raise ManifestError(f"digest of {name} is {digest!r}, not a hex string")
         expected[name] = (size, algorithms[0], digest)
+    key_ranges(manifest, expected)  # format 3: its table of keys must tile the files exactly
     # (files it lists but that are missing: named by the caller)
     extra = sorted(n for n in present - set(expected) if loadable_name(n))
     if extra:
@@ -165,6 +205,42 @@ def parse(path: Path, raw: bytes, present: set[str]) -> dict[str, tuple[int, str
             "(a file written there by hand? move it out of the step directory)"
         )
     return expected
+
+
+def key_ranges(
+    manifest: Mapping[str, Any], files: Mapping[str, tuple[int, str, str]]
+) -> dict[str, KeyRange]:
+    """Where each top-level key is, from a manifest whose ``files`` parsed as ``files``.
+
+    Formats 1 and 2: ``KEY.pt`` holds ``KEY``. Format 3: the ``"keys"`` table, each entry
+    ``{"file", "offset", "bytes"}``; the ranges must cover each listed file exactly, without
+    gaps or overlaps, or `ManifestError` (a forged table cannot point a key at another's bytes).
+    """
+    if manifest.get("format") != 3:
+        return {name[: -len(".pt")]: KeyRange(name) for name in files}
+    table = manifest.get("keys")
+    if not isinstance(table, dict) or not table:
+        raise ManifestError("format 3 needs a non-empty 'keys' object")
+    ranges: dict[str, KeyRange] = {}
+    for key, entry in table.items():
+        if not (isinstance(key, str) and KEY_RE.fullmatch(key)) or not isinstance(entry, dict):
+            raise ManifestError(f"key {key!r} or its entry is malformed")
+        file, offset, length = entry.get("file"), entry.get("offset"), entry.get("bytes")
+        if not (isinstance(file, str) and file in files):
+            raise ManifestError(f"key {key!r}: its file {file!r} is not listed in 'files'")
+        if not (type(offset) is int and type(length) is int):
+            raise ManifestError(f"key {key!r}: offset {offset!r} or bytes {length!r} is not an int")
+        ranges[key] = KeyRange(file, offset, length)
+    for name, (size, _, _) in files.items():
+        spans = sorted((r.offset, r.length or 0) for r in ranges.values() if r.file == name)
+        end = 0
+        for offset, length in spans:
+            if offset != end or length <= 0:
+                raise ManifestError(f"the keys' ranges in {name} have a gap or an overlap")
+            end = offset + length
+        if end != size:
+            raise ManifestError(f"the keys' ranges cover {end} of the {size} bytes of {name}")
+    return ranges
 
 
 def _no_constants(name: str) -> Any:

@@ -31,8 +31,6 @@ are ``FileSystemWriter``'s: plain ``dcp.load`` reads them.
 from __future__ import annotations
 
 import os
-import threading
-import time
 from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any
@@ -40,6 +38,14 @@ from typing import Any
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from refimpl._low_priority import LowPriorityWriter
+from refimpl._pacer import (
+    MAX_SLEEP_S,
+    MIN_CPU_SHARE,
+    PIECE_BYTES,
+    Pacer,
+    check_cpu_share,
+    stop_pacing,
+)
 
 __all__ = [
     "MAX_SLEEP_S",
@@ -50,70 +56,7 @@ __all__ = [
     "stop_pacing",
 ]
 
-PIECE_BYTES = 1 << 20
-"""The most a paced write hands the kernel at once: a sleep can follow every piece, so a
-step overlapping the write meets at most one piece's copy (about a third of a millisecond
-here) before the writer yields."""
-
-
-MIN_CPU_SHARE = 0.01
-"""The smallest ``cpu_share`` accepted (1% of a core). The write takes about its CPU time
-divided by the share: at a share of 1e-7, one piece's fraction of a millisecond would buy
-hours of sleep, and the checkpoint would never commit."""
-
-MAX_SLEEP_S = 1.0
-"""The longest one sleep between two pieces: however far ahead the writer's CPU clock is (a
-burst of serialising, a clock that jumped), the write hands the kernel a piece at least this
-often."""
-
-_UNPACED = threading.Event()  # set by stop_pacing: every sleep ends, no new one starts
-
-
-def check_cpu_share(share: float | None) -> None:
-    """Refuse a ``cpu_share`` that is neither None nor a number from `MIN_CPU_SHARE` to 1
-    (``True`` and NaN included), with a ``ValueError``: a share that small never commits."""
-    if share is None:
-        return
-    if isinstance(share, bool) or not isinstance(share, int | float):
-        ok = False
-    else:
-        ok = MIN_CPU_SHARE <= share <= 1
-    if not ok:
-        raise ValueError(
-            f"cpu_share must be a number in [{MIN_CPU_SHARE}, 1] or None, got {share!r} "
-            f"(below {MIN_CPU_SHARE} of a core the paced write would take longer than any "
-            "training run; None writes unpaced)"
-        )
-
-
-def stop_pacing() -> None:
-    """End every paced write's sleep now and pace nothing from here on, in this process.
-
-    Called when the process exits (`refimpl._sharded_async`): a save still writing then
-    finishes at full speed instead of keeping the process alive for its sleeps."""
-    _UNPACED.set()
-
-
-class _Pacer:
-    """Sleeps whenever the calling thread's CPU time is ahead of ``share`` times the wall time
-    since `start` (each thread that writes keeps its own clock); never, for ``share`` None."""
-
-    def __init__(self, share: float | None) -> None:
-        self.share = share
-        self._clock = threading.local()
-
-    def start(self) -> None:
-        self._clock.cpu0, self._clock.wall0 = time.thread_time(), time.monotonic()
-
-    def wait(self) -> None:
-        if self.share is None or _UNPACED.is_set():
-            return
-        if not hasattr(self._clock, "cpu0"):  # a writing thread of DCP's own (thread_count > 1)
-            self.start()
-        ahead = (time.thread_time() - self._clock.cpu0) / self.share
-        ahead -= time.monotonic() - self._clock.wall0
-        if ahead > 0:
-            _UNPACED.wait(min(ahead, MAX_SLEEP_S))  # a sleep that stop_pacing ends
+_Pacer = Pacer  # the tests patch its wait through this module
 
 
 class _PacedStream:

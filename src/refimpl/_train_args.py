@@ -54,7 +54,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sharded", action="store_true",
                    help="FSDP2 and sharded DCP checkpoints: resume at any world size")  # fmt: skip
     p.add_argument("--async-save", action="store_true",
-                   help="with --sharded: write each checkpoint during the next steps")  # fmt: skip
+                   help="write each checkpoint during the next steps (rank 0's file, or "
+                   "every rank's shard with --sharded)")  # fmt: skip
     p.add_argument("--step-timeout", type=seconds, default=None,
                    help="kill a worker stuck in a step or a save this long (torchrun's file "
                    "timer: TORCHELASTIC_ENABLE_FILE_TIMER=1)")  # fmt: skip
@@ -77,8 +78,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.sharded and "rng" in args.no_restore:
         p.error("--sharded saves no RNG state (each step re-seeds dropout): nothing to leave out")
-    if args.async_save and not args.sharded:
-        p.error("--async-save needs --sharded (the file backend's rank 0 writes synchronously)")
     if args.step_timeout is not None and (why := _train_watchdog.unavailable()):
         p.error(why)
     return args

@@ -6,7 +6,8 @@ RNG) as one verified
 checkpoint; the other ranks wait for it with chapter 4's `main_process_first`. On a start,
 every rank reads the newest checkpoint that verifies, and the ranks check that they found
 the same one (`refimpl.trainstate.check_same_checkpoint`). `refimpl._train_sharded` has the
-same two functions for FSDP2.
+same two functions for FSDP2. With ``--async-save``, `AsyncFileSaves` writes each
+checkpoint on rank 0 in the background instead (`refimpl.checkpoint.AsyncCheckpointer`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from refimpl._train_flags import refuse, reset_lr, resume_problems, sampler_entry
 from refimpl._train_restorable import misfit
 from refimpl._train_schedule import check_restored, flat_schedule
-from refimpl.checkpoint import load_latest, save_checkpoint, step_dir_name
+from refimpl.checkpoint import AsyncCheckpointer, load_latest, save_checkpoint, step_dir_name
 from refimpl.data import ResumableSampler
 from refimpl.state import restore_state, unwrap_state_dict
 from refimpl.sync import main_process_first
@@ -52,6 +53,61 @@ def save(
             assert state is not None  # rank 0 gets the state
             path = save_checkpoint(args.ckpt_dir, state, step, keep_last=args.keep_last)
             log(f"saved {path.name}")
+
+
+class AsyncFileSaves:
+    """`save`'s signature, in the background: rank 0 stages the state and returns; its
+    `AsyncCheckpointer` writes and commits while the next steps train. The other ranks
+    only take part in gathering the RNG states and never wait for rank 0's write: no barrier,
+    since no rank is held up long enough to time out in its next collective. Rank 0 raises a
+    failed save at its next save or at `close`, and exits non-zero; a restart resumes from
+    the last committed step. ``close`` waits for the last save (before the final weights,
+    and before an exit 0 after SIGTERM: the trainer's own SIGTERM flag does the stopping)."""
+
+    def __init__(self, args: argparse.Namespace, log: Callable[[str], None]) -> None:
+        self._log = log
+        self._saver = None
+        if dist.get_rank() == 0:
+            self._saver = AsyncCheckpointer(
+                args.ckpt_dir, keep_last=args.keep_last, wait_on_sigterm=False
+            )
+
+    def _wait(self) -> None:
+        path = None if self._saver is None else self._saver.wait()
+        if path is not None:
+            self._log(f"saved {path.name}")  # the commit, logged once it is known
+
+    def save(
+        self,
+        args: argparse.Namespace,
+        model: torch.nn.Module,
+        opt: torch.optim.Optimizer,
+        sched: LRScheduler,
+        sampler_state: Mapping[str, int],
+        step: int,
+        log: Callable[[str], None],
+    ) -> None:
+        """Gather the state on rank 0 (a collective), wait for the save in flight, stage this
+        one and return."""
+        epoch = int(sampler_state["epoch"])
+        state = capture_every_rank(
+            model, opt, scheduler=sched, sampler_state=sampler_state, epoch=epoch, step=step
+        )
+        if self._saver is None:
+            return
+        assert state is not None  # rank 0 gets the state
+        self._wait()
+        self._saver.save(state, step)
+        log(f"saving step {step} in the background")
+
+    def close(self) -> None:
+        """Wait for the last save to commit (or raise its error), then free the staging."""
+        if self._saver is None:
+            return
+        try:
+            self._wait()
+        finally:
+            self._saver.close()
 
 
 def load(

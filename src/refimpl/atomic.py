@@ -26,6 +26,7 @@ import shutil
 import socket
 import warnings
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
@@ -277,15 +278,48 @@ def atomic_save(obj: Any, path: str | os.PathLike[str], *, durable: bool = True)
     return Path(path)
 
 
+_FSYNC_THREADS = 8
+_fsync_pool: ThreadPoolExecutor | None = None
+
+
+def _forget_pool() -> None:  # a forked child has the pool object but none of its threads
+    global _fsync_pool
+    _fsync_pool = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_tree(root: Path) -> None:
-    """fsync every file, then every directory bottom-up, under ``root``."""
+    """fsync every file, then every directory bottom-up, under ``root``.
+
+    The files of a directory are fsynced concurrently: one after another, each fsync waits
+    for its own journal commit (14 small files cost 14 commits); issued together, the
+    filesystem folds them into one (ext4 and xfs commit concurrent fsyncs as a group). Every
+    one has returned, or the first error is raised, before the directory is fsynced.
+    """
+    global _fsync_pool
     for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
-        for name in filenames:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                _fsync(fd)
-            finally:
-                os.close(fd)
+        paths = [os.path.join(dirpath, name) for name in filenames]
+        if _fsync_pool is None and len(paths) > 1:
+            _fsync_pool = ThreadPoolExecutor(_FSYNC_THREADS, thread_name_prefix="fsync")
+        try:
+            pending = [_fsync_pool.submit(_fsync_path, p) for p in paths] if _fsync_pool else []
+        except RuntimeError:  # at interpreter exit (a background save finishing): one by one
+            pending = []
+        for done in pending:
+            done.result()  # waits for all of them; raises the first failure
+        for path in paths if not pending else []:
+            _fsync_path(path)
         fsync_dir(dirpath)
 
 

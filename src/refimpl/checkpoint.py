@@ -3,9 +3,12 @@
 Layout: one directory per step, published atomically by `refimpl.atomic.atomic_dir`::
 
     ckpt/step_00000200/
-        model.pt  optim.pt  ...   one file per top-level key of the saved state
-        MANIFEST.json             format, step, versions, and the size and digest of every file
+        state.pack                every top-level key, one torch.save archive each, back to back
+        MANIFEST.json             format, step, versions, the size and digest of every file,
+                                  and where in state.pack each key's archive is
         COMMITTED                 atomic_dir's marker (written after the manifest)
+
+Steps written before format 3 hold one ``KEY.pt`` per key instead; they load the same way.
 
 `load_latest` walks the steps newest first and returns the first one that verifies (marker,
 manifest, every file's size and digest) *before* anything is deserialised; each step it
@@ -26,7 +29,6 @@ from __future__ import annotations
 
 import json
 import logging
-import operator
 import os
 import re
 import shutil
@@ -38,15 +40,18 @@ from typing import IO, Any
 import torch
 
 from refimpl import __version__
+from refimpl._file_async import AsyncCheckpointer
 from refimpl._manifest import (
     FORMAT,
-    KEY_RE,
     MAX_MANIFEST_BYTES,
     ManifestError,
-    find_unloadable,
-    fix_for,
+    as_step,
+    key_ranges,
     parse,
+    refusal,
 )
+from refimpl._pack import PACK as _PACK
+from refimpl._pack import KeyRange, KeyWindow, write_pack
 from refimpl._publish import publish_dir, restore_asides
 from refimpl._regular_file import read_regular
 from refimpl._write_errors import advice, root_oserror
@@ -62,6 +67,8 @@ from refimpl.atomic import (
 
 __all__ = [
     "MANIFEST",
+    "PACK",
+    "AsyncCheckpointer",
     "CheckpointError",
     "list_checkpoints",
     "load_checkpoint",
@@ -74,6 +81,10 @@ __all__ = [
 
 MANIFEST = "MANIFEST.json"
 """Name of the manifest file inside every step directory."""
+PACK = _PACK
+"""Name of the one file that holds every top-level key of a step (``torch.save`` archives back
+to back; the manifest's ``"keys"`` says where each is). Steps older than format 3 have one
+``KEY.pt`` per key instead."""
 _STEP_RE = re.compile(r"step_([0-9]{8,})", re.ASCII)  # ASCII digits only: "step_٠٠..." is not ours
 _ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _CHUNK = 1 << 20
@@ -94,19 +105,6 @@ def step_dir_name(step: int) -> str:
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     return f"step_{step:08d}"
-
-
-def _as_step(step: Any) -> int:
-    """``step`` as a plain int: numpy and 0-d integer tensors are accepted, floats are not."""
-    if isinstance(step, bool):
-        raise ValueError(f"step must be an integer, got {step!r}")
-    try:
-        value = operator.index(step)
-    except TypeError as exc:
-        raise ValueError(f"step must be an integer, got {type(step).__name__} {step!r}") from exc
-    if value < 0:
-        raise ValueError(f"step must be >= 0, got {value}")
-    return value
 
 
 def list_checkpoints(ckpt_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
@@ -210,10 +208,15 @@ def safe_load(path: str | os.PathLike[str], *, map_location: Any = "cpu") -> Any
     wants. Any other failure to read the file (truncated, crafted, unreadable) is a
     `CheckpointError` too. ``map_location`` is passed to ``torch.load`` (default: the CPU).
     """
+    return _weights_only(path, path, map_location)
+
+
+def _weights_only(source: Any, path: str | os.PathLike[str], map_location: Any) -> Any:
+    """`safe_load` of ``source`` (a path or a readable, seekable file); errors name ``path``."""
     import pickle
 
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(source, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
         raise CheckpointError(
             path,
@@ -250,13 +253,27 @@ def _load_verified(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """`load_checkpoint`, returning the manifest that was verified along with the state."""
     manifest = verify_checkpoint(step_dir)
-    names = {name[: -len(".pt")]: name for name in manifest["files"]}
-    wanted = list(names) if keys is None else list(keys)
-    unknown = [k for k in wanted if k not in names]
+    files = {name: (entry["bytes"], "", "") for name, entry in manifest["files"].items()}
+    ranges = key_ranges(manifest, files)  # verified: parse checked this table already
+    wanted = list(ranges) if keys is None else list(keys)
+    unknown = [k for k in wanted if k not in ranges]
     if unknown:
-        raise CheckpointError(step_dir, f"no key(s) {unknown}; it has {sorted(names)}")
-    state = {k: safe_load(Path(step_dir) / names[k], map_location=map_location) for k in wanted}
+        raise CheckpointError(step_dir, f"no key(s) {unknown}; it has {sorted(ranges)}")
+    state = {k: _load_key(Path(step_dir), k, ranges[k], map_location) for k in wanted}
     return manifest, state
+
+
+def _load_key(step_dir: Path, key: str, where: KeyRange, map_location: Any) -> Any:
+    """One key's value: its own file (formats 1-2) or its range of the pack (format 3)."""
+    path = step_dir / where.file
+    if where.length is None:
+        return safe_load(path, map_location=map_location)
+    try:
+        with open(path, "rb") as f:
+            window = KeyWindow(f, where.offset, where.length)
+            return _weights_only(window, f"{path} (key {key!r})", map_location)
+    except OSError as exc:
+        raise CheckpointError(path, f"cannot be read ({exc})") from exc
 
 
 def _log_skip(step_dir: Path, reason: str) -> None:
@@ -331,8 +348,8 @@ def load_latest(
     return None
 
 
-def _saver(obj: Any) -> Callable[[IO[bytes]], None]:
-    return lambda f: torch.save(obj, f)
+def _range_entry(where: KeyRange) -> dict[str, Any]:
+    return {"file": where.file, "offset": where.offset, "bytes": where.length}
 
 
 def _prune(ckpt_dir: Path, keep_last: int, saved_step: int) -> None:
@@ -351,18 +368,9 @@ def _prune(ckpt_dir: Path, keep_last: int, saved_step: int) -> None:
 
 
 def _validate(state: Mapping[str, Any], final: Path) -> None:
-    bad = [k for k in state if not (isinstance(k, str) and KEY_RE.fullmatch(k))]
-    if bad or not state:
-        raise ValueError(f"state must be a non-empty dict with file-name-safe str keys; bad: {bad}")
-    for key, value in state.items():
-        problem = find_unloadable(value, f"state[{key!r}]")
-        if problem:
-            raise CheckpointError(
-                final,
-                f"refused before writing anything: {problem}, which "
-                f"torch.load(weights_only=True) will not rebuild, so this checkpoint could "
-                f"never be loaded. Fix: {fix_for(problem)}.",
-            )
+    problem = refusal(state)
+    if problem:
+        raise CheckpointError(final, f"refused before writing anything: {problem}")
 
 
 def save_checkpoint(
@@ -379,8 +387,10 @@ def save_checkpoint(
     integer tensor), ``keep_last``, the keys, and that every value is something
     ``torch.load(weights_only=True)`` rebuilds (a ``pathlib.Path`` or ``np.float64`` is
     refused with the key and the fix, since such a checkpoint could never be loaded). Each
-    top-level key becomes ``KEY.pt``, then ``MANIFEST.json`` and the commit marker, all in a
-    temporary directory that is fsynced and then published as ``step_N``. Re-saving an
+    top-level key becomes one ``torch.save`` archive in ``state.pack`` (one file, so a save
+    of many small keys costs one file's creation and fsync, not one per key), then
+    ``MANIFEST.json`` (each key's range) and the commit marker, all in a temporary directory
+    that is fsynced and then published as ``step_N``. Re-saving an
     existing step swaps the new copy in atomically, so a crash at any point leaves the old
     copy or the new one. Temporaries that dead writers on this machine left are removed;
     afterwards only the ``keep_last`` newest committed steps up to this one are kept. On
@@ -391,7 +401,7 @@ def save_checkpoint(
 
         save_checkpoint("ckpt", {"model": model.state_dict(), "optim": opt.state_dict()}, 200)
     """
-    step = _as_step(step)
+    step = as_step(step)
     if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
         raise ValueError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
     root = Path(ckpt_dir)
@@ -403,15 +413,21 @@ def save_checkpoint(
     writing = "its temporary directory"  # what a failure names: never the temp's own name
     try:
         tmp.mkdir()
-        files = {}
-        for key, value in state.items():
-            name = writing = f"{key}.pt"
-            digest = atomic_write(tmp / name, _saver(value), durable=False, digest=DIGEST)
-            files[name] = {DIGEST: digest, "bytes": (tmp / name).stat().st_size}
+        ranges: dict[str, KeyRange] = {}
+
+        def started(key: str) -> None:
+            nonlocal writing
+            writing = f"key {key!r} ({PACK})"
+
+        def pack(f: IO[bytes]) -> None:
+            ranges.update(write_pack(f, state, started))
+
+        digest = atomic_write(tmp / PACK, pack, durable=False, digest=DIGEST)
         manifest = {
             "format": FORMAT,
             "step": step,
-            "files": files,
+            "files": {PACK: {DIGEST: digest, "bytes": (tmp / PACK).stat().st_size}},
+            "keys": {k: _range_entry(r) for k, r in ranges.items()},
             "torch": torch.__version__,
             "refimpl": __version__,
         }

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from refimpl._digested_writer import DigestedWriter
+from refimpl._manifest import as_step
 from refimpl._sharded_async import AsyncSaveHandle, AsyncSaver, default_saver
 from refimpl._sharded_commit import verify_step
 from refimpl._sharded_errors import ShardedCheckpointError, dcp_errors
@@ -55,7 +56,6 @@ from refimpl._sharded_load import load_step
 from refimpl._sharded_paths import choose_step
 from refimpl._sharded_state import PerRank, check_mapping, pack_checked
 from refimpl.atomic import atomic_save
-from refimpl.checkpoint import _as_step
 
 __all__ = [
     "AsyncSaveHandle",
@@ -115,7 +115,7 @@ def save_sharded(
         state = {"sched": scheduler, "rng": PerRank(rng), "epoch": epoch}
         path = save_sharded("ckpt", model, optimizer, 200, state=state)  # ckpt/step_00000200
     """
-    step = _as_step(step)
+    step = as_step(step)
     _check_keep_last(keep_last)
     group = Group(process_group)
     packed = pack_checked(group, state)  # refused on every rank before touching the disk
@@ -161,7 +161,7 @@ def async_save_sharded(
         ...                          # keep training
         handle.result()              # -> ckpt/step_N, committed (handle.path names it)
     """
-    step = _as_step(step)
+    step = as_step(step)
     _check_keep_last(keep_last)
     return (saver or default_saver()).save(
         ckpt_dir,

@@ -113,7 +113,7 @@ def _user_keys(extra: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(key, str) or not KEY_RE.fullmatch(key):
             raise ValueError(
                 f"extra key {key!r}: use a str of letters, digits, '_', '.' and '-' (not "
-                "starting with '.' or '-'): save_checkpoint writes each key as a file KEY.pt"
+                "starting with '.' or '-'), the names save_checkpoint accepts as keys"
             )
         if key in STATE_KEYS:
             raise ValueError(

@@ -32,7 +32,8 @@ sampler's position and the LR schedule travel in the checkpoint's ``state=``, an
 re-seeded from (seed, rank, step) instead of saved (`refimpl._train_sharded`). Add
 ``--async-save`` and each save is written while the next steps train, one at a time; the
 trainer waits for it before the final weights and before a SIGTERM exit
-(`refimpl._train_async`).
+(`refimpl._train_async`). Without ``--sharded``, ``--async-save`` does the same for rank 0's
+file checkpoint (`refimpl._train_files.AsyncFileSaves`).
 
 ``--lr-schedule cosine --warmup-steps N`` warms the rate up linearly over N steps, then decays
 it along a cosine to 0.1 x ``--lr`` at ``--steps`` (the default is a constant rate); the
@@ -188,10 +189,12 @@ def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device
     log(f"start: world {world}, restart {restarts}, device {device}")
     step = _load(args, ddp, opt, sched, sampler, device, log)
     saves: Any = _backend(args)
-    if args.async_save:  # after the load: a restart's first save must not race it
+    if args.async_save and args.sharded:  # after the load: a restart's first save must not race
         from refimpl._train_async import AsyncSaves
 
         saves = AsyncSaves(args, log)
+    elif args.async_save:
+        saves = _train_files.AsyncFileSaves(args, log)
     watchdog = _train_watchdog.Watchdog(args.step_timeout)
     if log.bar is not None:
         log.bar.update(step)

@@ -23,6 +23,8 @@ LABELS = {
     "dcp_async_staged": "DCP async, staged",
     "dcp_async_staged_low": "DCP async, staged,\nlow-priority writer",
     "dcp_async_process": "DCP async, staged,\nprocess writer",
+    "save_checkpoint": "refimpl save_checkpoint",
+    "async_checkpoint": "refimpl AsyncCheckpointer",
 }
 
 
@@ -48,7 +50,7 @@ BACKGROUND = "written in the background, until durable"
 
 
 def _is_async(row: dict[str, Any]) -> bool:
-    return bool(row["method"].startswith("dcp_async"))
+    return bool(row["method"].startswith("dcp_async") or row["method"] == "async_checkpoint")
 
 
 def _bars(

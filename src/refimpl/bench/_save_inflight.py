@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from refimpl._paced_writer import PacedWriter
 from refimpl.bench import summarize
+from refimpl.bench._save_files import FileSave
 
 __all__ = ["LOW_NICE", "PACED_SHARE", "WRITERS", "gil_wait", "step_times"]
 
@@ -101,11 +102,14 @@ def step_times(
     stagers: dict[str, Any],
     rounds: int = 3,
     width: int = 1024,
+    file_savers: dict[str, Any] | None = None,
 ) -> dict[str, float]:
     """Seconds per training step (median, min, max) alone and during each kind of save
     (``step_s_median_during_<kind>``), steps counted only while a save is in flight; per
     kind also the steps counted, the training seconds lost per save and the save's duration
-    (medians), and for thread writers the writing thread's CPU seconds per save."""
+    (medians), and for thread writers the writing thread's CPU seconds per save.
+    ``file_savers`` adds kinds saved by an `AsyncCheckpointer` each (`refimpl.checkpoint`:
+    the state as one key of a file checkpoint)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width)
@@ -122,7 +126,8 @@ def step_times(
 
     for _ in range(3):
         step()  # warm-up
-    kinds = list(WRITERS)
+    files = file_savers or {}
+    kinds = list(WRITERS) + list(files)
     alone: list[float] = []
     during: dict[str, list[float]] = {k: [] for k in kinds}
     lost: dict[str, list[float]] = {k: [] for k in kinds}
@@ -134,7 +139,11 @@ def step_times(
             alone += before
             path = scratch / f"inflight_{kind}_{r}"
             start = time.perf_counter()
-            future = start_save(state, path, stagers[kind], kind, cpu[kind])
+            if kind in files:
+                future: Any = FileSave(files[kind], {"model": state}, r + 1)
+                path = future.path
+            else:
+                future = start_save(state, path, stagers[kind], kind, cpu[kind])
             steps = []
             while not future.done():
                 steps.append(step())

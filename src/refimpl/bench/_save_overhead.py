@@ -23,7 +23,10 @@ equal.
 - ``dcp_async_process``: the same, with ``async_checkpointer_type=AsyncCheckpointerType.PROCESS``:
   the write runs in DCP's checkpoint daemon (a spawned process with its own interpreter, so
   no GIL shared with training) and the staging buffers are in shared memory, which the
-  daemon maps. The daemon is started by the cold round (``cold_*`` in its row).
+  daemon maps. The daemon is started by the cold round (``cold_*`` in its row);
+- ``save_checkpoint`` (`refimpl.checkpoint`: the pack, manifest, fsyncs, publish) and
+  ``async_checkpoint`` (`refimpl.checkpoint.AsyncCheckpointer`: blocking until staged,
+  total until committed), measured by `refimpl.bench._save_files`.
 
 Beside them (`refimpl.bench._save_inflight`), training step time alone and with a staged save
 in flight, by each writer: the cost of the background write to the steps that overlap it
@@ -54,7 +57,9 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from refimpl._low_priority import LowPriorityWriter
 from refimpl.atomic import atomic_save
 from refimpl.bench import summarize
+from refimpl.bench._save_files import file_methods
 from refimpl.bench._save_inflight import LOW_NICE
+from refimpl.checkpoint import AsyncCheckpointer
 
 __all__ = ["METHODS", "make_stager", "measure_size", "one_rank_group"]
 
@@ -69,6 +74,8 @@ METHODS = (
     "dcp_async_staged",
     "dcp_async_staged_low",
     "dcp_async_process",
+    "save_checkpoint",
+    "async_checkpoint",
 )
 PROCESS = AsyncCheckpointerType.PROCESS
 Timed = Callable[[Path], tuple[float, float]]  # path -> (blocking seconds, total seconds)
@@ -111,7 +118,10 @@ def _start(
 
 
 def _methods(
-    state: dict[str, torch.Tensor], stager: DefaultStager, shared: DefaultStager
+    state: dict[str, torch.Tensor],
+    stager: DefaultStager,
+    shared: DefaultStager,
+    files: dict[str, Timed],
 ) -> dict[str, Timed]:
     buffers = {k: torch.empty_like(v) for k, v in state.items()}
     nbytes = sum(v.numel() * v.element_size() for v in state.values())
@@ -158,6 +168,8 @@ def _methods(
         "dcp_async_staged": async_timed(stager),
         "dcp_async_staged_low": async_timed(stager, nice=LOW_NICE),
         "dcp_async_process": async_timed(shared, process=True),
+        "save_checkpoint": files["save_checkpoint"],
+        "async_checkpoint": files["async_checkpoint"],
     }
 
 
@@ -186,7 +198,8 @@ def measure_size(
     """One row per method for this state: blocking and total seconds (median, spread, cold)."""
     nbytes = sum(v.numel() * v.element_size() for v in state.values())
     stager, shared = make_stager(), make_stager(shared=True)
-    todo = _methods(state, stager, shared)
+    saver = AsyncCheckpointer(scratch / "async", keep_last=None, wait_on_sigterm=False)
+    todo = _methods(state, stager, shared, file_methods(state, scratch, saver))
     blocking: dict[str, list[float]] = {m: [] for m in todo}
     total: dict[str, list[float]] = {m: [] for m in todo}
     cold: dict[str, tuple[float, float]] = {}
@@ -210,6 +223,7 @@ def measure_size(
     finally:
         stager.close()
         shared.close()
+        saver.close()
     rows = []
     for name in todo:
         b = summarize(blocking[name])

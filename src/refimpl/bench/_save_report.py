@@ -16,10 +16,15 @@ import torch
 
 from refimpl.bench import write_json
 from refimpl.bench._save_figure import overhead_figure
+from refimpl.bench._save_files import FILE_WRITERS, measure_small, nanogpt_state
 from refimpl.bench._save_inflight import LOW_NICE, PACED_SHARE, gil_wait, step_times
+from refimpl.bench._save_inflight import WRITERS as DCP_WRITERS
 from refimpl.bench._save_overhead import METHODS, make_stager, measure_size, one_rank_group
+from refimpl.checkpoint import AsyncCheckpointer
 
-__all__ = ["ratios_for", "run_overhead", "step_ratios"]
+__all__ = ["file_ratios", "ratios_for", "run_overhead", "step_ratios"]
+
+SMALL_REPEATS = 15  # a small save takes milliseconds: more repeats for a stable median
 
 
 def _state(mb: int) -> dict[str, torch.Tensor]:
@@ -50,6 +55,18 @@ def ratios_for(rows: list[dict[str, Any]]) -> dict[str, float]:
         / b["dcp_async_staged"],
         "dcp_async_process total / dcp_async_staged total": t["dcp_async_process"]
         / t["dcp_async_staged"],
+        **file_ratios(rows),
+    }
+
+
+def file_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The file checkpoints' ratios (chapters 5, 6, 9) from one state's rows (medians)."""
+    b = {r["method"]: r["blocking_s_median"] for r in rows}
+    t = {r["method"]: r["total_s_median"] for r in rows}
+    return {
+        "save_checkpoint / torch_save_fsync": t["save_checkpoint"] / t["torch_save_fsync"],
+        "async_checkpoint blocking / floor_memcpy": b["async_checkpoint"] / b["floor_memcpy"],
+        "async_checkpoint total / save_checkpoint": t["async_checkpoint"] / t["save_checkpoint"],
     }
 
 
@@ -59,6 +76,9 @@ WRITER_NAMES = {
     "piece_save": "piecewise thread",
     "paced_save": "paced thread",
     "process_save": "process",
+    "file_save": "file thread",
+    "file_low_save": "file low-priority thread",
+    "file_paced_save": "file paced thread",
 }
 
 
@@ -76,7 +96,11 @@ GOALS = {  # ratio name: (comparison, bound)
     "train step during paced thread save / alone": ("<=", 1.10),
     "dcp_sync throughput / floor_write_fsync throughput": (">=", 0.8),
     "atomic_save / torch_save_fsync": ("<=", 1.10),
+    "save_checkpoint / torch_save_fsync": ("<=", 1.10),
+    "async_checkpoint blocking / floor_memcpy": ("<=", 1.25),
+    "train step during file paced thread save / alone": ("<=", 1.10),
 }
+SMALL_GOALS = {"save_checkpoint / torch_save_fsync": ("<=", 1.25)}  # the nanoGPT-like state
 
 
 def _plot(data: dict[str, Any], out: Path) -> Path:
@@ -107,18 +131,32 @@ def run_overhead(
                 state = _state(mb)
                 rows += measure_size(state, scratch, repeats, bar)
                 thread, shared = make_stager(), make_stager(shared=True)
-                stagers = {kind: thread for kind in WRITER_NAMES} | {"process_save": shared}
+                stagers = {kind: thread for kind in DCP_WRITERS} | {"process_save": shared}
+                savers = {
+                    kind: AsyncCheckpointer(
+                        scratch / kind,
+                        keep_last=None,
+                        writer_nice=nice,
+                        writer_cpu_share=share,
+                        wait_on_sigterm=False,
+                    )
+                    for kind, (nice, share) in FILE_WRITERS.items()
+                }
                 try:
-                    steps[str(mb)] = step_times(state, scratch, stagers)
+                    steps[str(mb)] = step_times(state, scratch, stagers, file_savers=savers)
                     gil[str(mb)] = gil_wait(state, scratch, stagers)
                 finally:
                     thread.close()
                     shared.close()
+                    for saver in savers.values():
+                        saver.close()
+            small = measure_small(nanogpt_state(), scratch, max(repeats, SMALL_REPEATS))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     ratios = {str(mb): ratios_for([r for r in rows if r["bytes"] == mb << 20]) for mb in sizes_mb}
     for size, r in ratios.items():
         r.update(step_ratios(steps[size]))
+    small_ratios = file_ratios(small)
     met = {
         size: {
             name: (r[name] <= bound if op == "<=" else r[name] >= bound)
@@ -145,9 +183,22 @@ def run_overhead(
         "goals_met": met,
         "train_step": steps,
         "gil_wait": gil,
+        "small_state": {
+            "note": "a nanoGPT-like state: about 10 MB over 14 top-level keys",
+            "rows": small,
+            "ratios": small_ratios,
+            "goals": {name: f"{op} {bound}" for name, (op, bound) in SMALL_GOALS.items()},
+            "goals_met": {
+                name: (small_ratios[name] <= bound if op == "<=" else small_ratios[name] >= bound)
+                for name, (op, bound) in SMALL_GOALS.items()
+            },
+        },
     }
     path = write_json(out, "save", data)
     png = _plot(data, out)
+    print(f"nanoGPT-like state ({small[0]['bytes'] / 1e6:.1f} MB, {small[0]['keys']} keys):")
+    for name, value in small_ratios.items():
+        print(f"  {name:>52}: {value:.2f}")
     for size, r in ratios.items():
         print(f"{size} MiB:")
         for name, value in r.items():

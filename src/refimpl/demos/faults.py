@@ -6,7 +6,9 @@ checks what is on disk the way the next run would read it. Three writers are com
 
 - ``"plain"``: ``torch.save(state, "ckpt.pt")``, the code most trainers ship;
 - ``"atomic"``: `refimpl.atomic.atomic_save` to the same single file;
-- ``"checkpoint"``: `refimpl.checkpoint.save_checkpoint` + `load_latest`.
+- ``"checkpoint"``: `refimpl.checkpoint.save_checkpoint` + `load_latest`;
+- ``"async"``: `refimpl.checkpoint.AsyncCheckpointer` + `load_latest`: a save counts as
+  returned once the next ``save`` (which waits for it) returns, i.e. once it is committed.
 
 After every kill the loaded state must be complete (it loads), equal to a state some save
 wrote, and no older than the last save that *returned*. Run ``python -m refimpl.demos.faults
@@ -32,7 +34,7 @@ import torch
 
 from refimpl import atomic
 from refimpl._rank_process import main_module_hidden
-from refimpl.checkpoint import load_latest, save_checkpoint
+from refimpl.checkpoint import AsyncCheckpointer, load_latest, save_checkpoint
 
 __all__ = [
     "MODES",
@@ -42,7 +44,7 @@ __all__ = [
     "make_state",
 ]
 
-MODES = ("plain", "atomic", "checkpoint")
+MODES = ("plain", "atomic", "checkpoint", "async")
 """The writers `kill_trials` can put under fire."""
 
 
@@ -68,8 +70,15 @@ def _saver_child(mode: str, directory: str, start: int, numel: int, conn: Any) -
     path = Path(directory, "ckpt.pt")
     conn.send(-1)  # ready: the parent starts its kill timer now
     step = start
+    saver = AsyncCheckpointer(directory, keep_last=2) if mode == "async" else None
     while True:
         state = make_state(step, numel)
+        if saver is not None:
+            saver.save(state, step)  # returns once step - 1 is committed and step is staged
+            if step > start:
+                conn.send(step - 1)
+            step += 1
+            continue
         if mode == "plain":
             torch.save(state, path)
         elif mode == "atomic":
@@ -89,7 +98,7 @@ class KillReport:
     kills: int = 0
     torn: int = 0
     stale: int = 0
-    skipped: int = 0  # checkpoint mode: steps load_latest had to skip (should stay 0)
+    skipped: int = 0  # checkpoint and async modes: steps load_latest had to skip (stays 0)
     saves_returned: int = 0
     examples: list[str] = field(default_factory=list)
 
@@ -102,7 +111,7 @@ class KillReport:
 def _check(mode: str, directory: Path, last: int, numel: int, report: KillReport) -> None:
     """Read ``directory`` as the next run would; count what is wrong with it."""
     problems: list[str] = []
-    if mode == "checkpoint":
+    if mode in ("checkpoint", "async"):
         found = load_latest(directory, on_skip=lambda d, why: problems.append(f"skip {why}"))
         report.skipped += len(problems)
         step, state = found if found is not None else (0, None)
