@@ -181,7 +181,7 @@ def test_one_sleep_is_capped_and_stop_pacing_ends_them_all(
     clock = {"cpu": 10.0, "wall": 100.0}
     monkeypatch.setattr(_pacer.time, "thread_time", lambda: clock["cpu"])
     monkeypatch.setattr(_pacer.time, "monotonic", lambda: clock["wall"])
-    monkeypatch.setattr(_paced_writer, "_UNPACED", threading.Event())  # this test's own
+    monkeypatch.setattr(_pacer, "_UNPACED", threading.Event())  # this test's own
     slept = _sleeps(monkeypatch)
     pacer = _Pacer(MIN_CPU_SHARE)
     pacer.start()
