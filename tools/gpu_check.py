@@ -96,6 +96,7 @@ def train_runs(work: Path) -> list[dict[str, object]]:
     rows = []
     for label, extra in {
         "file": [],
+        "file_async": ["--async-save"],
         "sharded": ["--sharded"],
         "sharded_async": ["--sharded", "--async-save"],
     }.items():
@@ -159,6 +160,17 @@ h1.result()
 blocked, h2 = t(lambda: async_save_sharded(ck + "/async", model, opt, 2))
 s = time.perf_counter(); h2.result(); res["async_blocked_s"] = blocked
 res["async_rest_s"] = time.perf_counter() - s
+from refimpl.checkpoint import AsyncCheckpointer, save_checkpoint
+sd = {"model": model.state_dict()}
+res["file_sync_s"] = t(lambda: save_checkpoint(ck + "/file", sd, 1))[0]
+ac = AsyncCheckpointer(ck + "/file_async")
+ac.save(sd, 1)
+ac.wait()
+blocked, _ = t(lambda: ac.save(sd, 2))
+s = time.perf_counter(); ac.wait(); res["file_async_blocked_s"] = blocked
+res["file_async_rest_s"] = time.perf_counter() - s
+res["file_async_pinned"] = ac.pinned_memory if hasattr(ac, "pinned_memory") else None
+ac.close()
 print("RESULT " + json.dumps(res), flush=True)
 dist.destroy_process_group()
 """
