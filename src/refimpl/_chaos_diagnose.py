@@ -18,7 +18,8 @@ from collections.abc import Mapping, Sequence
 
 from refimpl._chaos_proc import env_of, signal_all, split_rank, workers
 
-_STACK_WAIT_S = 2.0  # torchrun's tail of a worker's stderr polls every 0.1 s
+_STACK_WAIT_S = 10.0  # at most, for the aborted workers to exit (a loaded machine is slow)
+_TAIL_S = 0.5  # then for torchrun's tail of their stderr (it polls every 0.1 s) to pass it on
 _INNER = re.compile(r"^\[rank\d+\]: ?")
 _ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _HEADS = ("Traceback (most recent call last):", "During handling", "The above exception")
@@ -107,6 +108,15 @@ def rank_report(lines: Sequence[str], n: int = 6) -> str:
     return "\n".join(out)
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie has finished writing: it counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
 def probe_stall(root: int, token: str) -> str:
     """`refimpl._chaos_proc.StallHook`: which restart the workers are in, then SIGABRT to each
     (faulthandler prints its stack), and a moment for torchrun's tail to pass the dumps on."""
@@ -116,7 +126,10 @@ def probe_stall(root: int, token: str) -> str:
     counts = {env_of(pid, "TORCHELASTIC_RESTART_COUNT") for pid in found.values()}
     count = counts.pop() if len(counts) == 1 else None
     signal_all(list(found.values()), signal.SIGABRT)
-    time.sleep(_STACK_WAIT_S)
+    deadline = time.monotonic() + _STACK_WAIT_S  # faulthandler writes, then the process ends
+    while time.monotonic() < deadline and any(_alive(pid) for pid in found.values()):
+        time.sleep(0.05)
+    time.sleep(_TAIL_S)
     ranks = ", ".join(map(str, sorted(found)))
     attempt = f"restart {count} of the workers" if count not in (None, "0") else "their first start"
     return f"ranks {ranks} running, in {attempt}"
