@@ -189,8 +189,8 @@ class AsyncCheckpointer:
 
     @property
     def staging_addresses(self) -> tuple[int, ...]:
-        """Addresses of the staging buffers, sorted: the same after every save of the same
-        shapes (the buffers are reused, not reallocated)."""
+        """Addresses of the staging buffers in ascending order; the same after every save of
+        the same shapes, since the buffers are reused, not reallocated."""
         return tuple(sorted(b.data_ptr() for b in self._stager.buffers()))
 
     @property
