@@ -44,6 +44,18 @@ FILE_WRITERS = {  # kind: (nice, CPU share), as AsyncCheckpointer(writer_nice=, 
 Timed = Callable[[Path], tuple[float, float]]
 
 
+def timed_sync(fn: Callable[[Path], object]) -> Timed:
+    """``fn`` as a method whose blocking time is its whole time (a synchronous save)."""
+
+    def timed(path: Path) -> tuple[float, float]:
+        start = time.perf_counter()
+        fn(path)
+        elapsed = time.perf_counter() - start
+        return elapsed, elapsed
+
+    return timed
+
+
 def nanogpt_state(seed: int = 0) -> dict[str, Any]:
     """About 10 MB over 14 top-level keys, shaped like nanoGPT's checkpoint dict plus what an
     exact resume adds (a 3-layer, 128-wide GPT-like model after one AdamW step)."""
@@ -168,15 +180,6 @@ def file_methods(
         with open(path, "rb") as f:
             os.fsync(f.fileno())
 
-    def sync(fn: Callable[[Path], object]) -> Timed:
-        def timed(path: Path) -> tuple[float, float]:
-            start = time.perf_counter()
-            fn(path)
-            elapsed = time.perf_counter() - start
-            return elapsed, elapsed
-
-        return timed
-
     def async_checkpoint(path: Path) -> tuple[float, float]:
         start = time.perf_counter()
         step_dir = saver.save(state, next(counter))
@@ -187,9 +190,9 @@ def file_methods(
         return blocking, total
 
     return {
-        "floor_memcpy": sync(memcpy),
-        "torch_save_fsync": sync(torch_save_fsync),
-        "save_checkpoint": sync(lambda p: save_checkpoint(p, state, 1, keep_last=None)),
+        "floor_memcpy": timed_sync(memcpy),
+        "torch_save_fsync": timed_sync(torch_save_fsync),
+        "save_checkpoint": timed_sync(lambda p: save_checkpoint(p, state, 1, keep_last=None)),
         "async_checkpoint": async_checkpoint,
     }
 

@@ -42,7 +42,7 @@ import contextlib
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from refimpl._low_priority import LowPriorityWriter
 from refimpl.atomic import atomic_save
 from refimpl.bench import summarize
-from refimpl.bench._save_files import file_methods
+from refimpl.bench._save_files import Timed, file_methods, timed_sync
 from refimpl.bench._save_inflight import LOW_NICE
 from refimpl.checkpoint import AsyncCheckpointer
 
@@ -78,7 +78,6 @@ METHODS = (
     "async_checkpoint",
 )
 PROCESS = AsyncCheckpointerType.PROCESS
-Timed = Callable[[Path], tuple[float, float]]  # path -> (blocking seconds, total seconds)
 
 
 def _fsync_file(path: Path) -> None:
@@ -87,16 +86,6 @@ def _fsync_file(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _sync(fn: Callable[[Path], object]) -> Timed:
-    def timed(path: Path) -> tuple[float, float]:
-        start = time.perf_counter()
-        fn(path)
-        elapsed = time.perf_counter() - start
-        return elapsed, elapsed
-
-    return timed
 
 
 def _start(
@@ -158,12 +147,12 @@ def _methods(
         return timed
 
     return {
-        "floor_memcpy": _sync(memcpy),
-        "floor_write_fsync": _sync(write_fsync),
-        "torch_save": _sync(lambda p: torch.save(state, p)),
-        "torch_save_fsync": _sync(torch_save_fsync),
-        "atomic_save": _sync(lambda p: atomic_save(state, p)),
-        "dcp_sync": _sync(lambda p: dcp_save({"model": state}, checkpoint_id=p, no_dist=True)),
+        "floor_memcpy": timed_sync(memcpy),
+        "floor_write_fsync": timed_sync(write_fsync),
+        "torch_save": timed_sync(lambda p: torch.save(state, p)),
+        "torch_save_fsync": timed_sync(torch_save_fsync),
+        "atomic_save": timed_sync(lambda p: atomic_save(state, p)),
+        "dcp_sync": timed_sync(lambda p: dcp_save({"model": state}, checkpoint_id=p, no_dist=True)),
         "dcp_async": async_timed(None),
         "dcp_async_staged": async_timed(stager),
         "dcp_async_staged_low": async_timed(stager, nice=LOW_NICE),
