@@ -349,14 +349,18 @@ _MINI_TORCHRUN = """
                "OUT": sys.argv[1]}
         w = subprocess.Popen([sys.executable, "-c", worker_code], env=env,
                              stderr=subprocess.PIPE, text=True)
-        threading.Thread(target=pump, args=(rank, w.stderr), daemon=True).start()
+        pumps.append(threading.Thread(target=pump, args=(rank, w.stderr)))
+        pumps[-1].start()
         return w
+    pumps = []  # joined before the exit, as torchrun's tail reads each log to its end
     ranks = [start(0, 0), start(1, 0)]
     print("started", flush=True)
     codes = [w.wait() for w in ranks]
     if any(c < 0 for c in codes):
         print("restarting the workers", flush=True)
         codes = [w.wait() for w in [start(0, 1), start(1, 1)]]
+    for t in pumps:
+        t.join()
     sys.exit(max(codes))
 """
 

@@ -20,6 +20,7 @@ from refimpl._chaos_proc import env_of, signal_all, split_rank, workers
 
 _STACK_WAIT_S = 10.0  # at most, for the aborted workers to exit (a loaded machine is slow)
 _TAIL_S = 0.5  # then for torchrun's tail of their stderr (it polls every 0.1 s) to pass it on
+_TAIL_MAX_S = 3.0  # or, while the launcher runs on (a restart, a slow machine), this long
 _INNER = re.compile(r"^\[rank\d+\]: ?")
 _ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _HEADS = ("Traceback (most recent call last):", "During handling", "The above exception")
@@ -119,7 +120,8 @@ def _alive(pid: int) -> bool:
 
 def probe_stall(root: int, token: str) -> str:
     """`refimpl._chaos_proc.StallHook`: which restart the workers are in, then SIGABRT to each
-    (faulthandler prints its stack), and a moment for torchrun's tail to pass the dumps on."""
+    (faulthandler prints its stack), and time for torchrun's tail to pass the dumps on: until
+    the launcher ends, at most `_TAIL_MAX_S` after the workers did."""
     found = workers(root)
     if not found:
         return "no worker was running (the launcher itself made no progress)"
@@ -129,7 +131,11 @@ def probe_stall(root: int, token: str) -> str:
     deadline = time.monotonic() + _STACK_WAIT_S  # faulthandler writes, then the process ends
     while time.monotonic() < deadline and any(_alive(pid) for pid in found.values()):
         time.sleep(0.05)
+    # A launcher that ends now has passed every line on; one that runs on gets more time.
     time.sleep(_TAIL_S)
+    deadline = time.monotonic() + _TAIL_MAX_S - _TAIL_S
+    while time.monotonic() < deadline and _alive(root):
+        time.sleep(0.05)
     ranks = ", ".join(map(str, sorted(found)))
     attempt = f"restart {count} of the workers" if count not in (None, "0") else "their first start"
     return f"ranks {ranks} running, in {attempt}"
