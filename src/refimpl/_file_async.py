@@ -38,9 +38,8 @@ from typing import Any
 
 import torch
 
-from refimpl._low_priority import lower_thread_priority
 from refimpl._manifest import as_step, refusal
-from refimpl._pacer import Pacer, check_cpu_share
+from refimpl._pacer import Pacer, check_cpu_share, lower_thread_priority
 from refimpl._pack import paced
 
 __all__ = ["AsyncCheckpointer"]

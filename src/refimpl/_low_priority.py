@@ -16,33 +16,15 @@ work is moved, not removed.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from typing import Any
 
 from refimpl._digested_writer import DigestedWriter
+from refimpl._pacer import lower_thread_priority
 
 __all__ = ["WRITER_NICE", "LowPriorityWriter", "lower_thread_priority"]
 
 WRITER_NICE = 19  # LowPriorityWriter's default; AsyncSaver's is 0 (the docstring says why)
-
-
-def lower_thread_priority(nice: int) -> bool:
-    """Raise the calling thread's nice value to at least ``nice`` (lower its CPU priority).
-
-    Linux keeps a nice value per thread, so this leaves the training thread alone; elsewhere
-    ``setpriority`` would renice the whole process, so it does nothing there and returns False.
-    Never lowers a nice value already higher (that needs privileges and would boost the
-    thread). Returns whether the thread now runs at ``nice`` or above."""
-    if sys.platform != "linux" or nice <= 0:
-        return False
-    tid = threading.get_native_id()
-    try:
-        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-    except OSError:
-        return False
-    return True
 
 
 class LowPriorityWriter(DigestedWriter):

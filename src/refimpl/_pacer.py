@@ -5,10 +5,13 @@ A writer calls `Pacer.wait` after each piece (`PIECE_BYTES`) it hands the kernel
 sleeps while the writing thread's CPU time is ahead of its share of the wall time. Shares below
 `MIN_CPU_SHARE` are refused, no single sleep lasts longer than `MAX_SLEEP_S`, and `stop_pacing`
 (called at interpreter exit) ends every sleep so a save still writing finishes at full speed.
+`lower_thread_priority` is the other way a writing thread yields the cores: a higher nice value.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 
@@ -18,6 +21,7 @@ __all__ = [
     "PIECE_BYTES",
     "Pacer",
     "check_cpu_share",
+    "lower_thread_priority",
     "stop_pacing",
 ]
 
@@ -87,3 +91,21 @@ class Pacer:
         ahead -= time.monotonic() - self._clock.wall0
         if ahead > 0:
             _UNPACED.wait(min(ahead, MAX_SLEEP_S))  # a sleep that stop_pacing ends
+
+
+def lower_thread_priority(nice: int) -> bool:
+    """Raise the calling thread's nice value to at least ``nice`` (lower its CPU priority).
+
+    Linux keeps a nice value per thread, so this leaves the training thread alone; elsewhere
+    ``setpriority`` would renice the whole process, so it does nothing there and returns False.
+    Never lowers a nice value already higher (that needs privileges and would boost the
+    thread). Returns whether the thread now runs at ``nice`` or above."""
+    if sys.platform != "linux" or nice <= 0:
+        return False
+    tid = threading.get_native_id()
+    try:
+        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except OSError:
+        return False
+    return True

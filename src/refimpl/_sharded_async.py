@@ -33,8 +33,8 @@ from torch.distributed.tensor import DTensor
 
 from refimpl._async_handle import AsyncSaveHandle as AsyncSaveHandle  # sharded.py imports it
 from refimpl._group_timeout import group_timeout
-from refimpl._low_priority import lower_thread_priority
 from refimpl._paced_writer import PacedWriter, check_cpu_share
+from refimpl._pacer import lower_thread_priority
 from refimpl._sharded_errors import dcp_errors
 from refimpl._sharded_group import Group, commit_step, discard, prepare_step
 from refimpl._sharded_state import pack_checked
