@@ -68,3 +68,15 @@ def test_importing_the_programs_leaves_the_collector_alone() -> None:
         "print('enabled', gc.isenabled(), 'frozen', gc.get_freeze_count())"
     )
     assert out == "enabled True frozen 0"
+
+
+@pytest.mark.timeout(60)
+def test_the_file_backend_trainer_starts_without_importing_dcp() -> None:
+    # torch.distributed.checkpoint costs about a CPU-second to import (DTensor, sympy), paid by
+    # every worker torchrun (re)starts; only the sharded backend needs it.
+    out = _python(
+        "import sys\n"
+        "import refimpl.train, refimpl._train_files, refimpl.checkpoint\n"
+        "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')))\n"
+    )
+    assert out == "[]", out
