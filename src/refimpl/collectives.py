@@ -275,16 +275,24 @@ def raise_on_rank(bad_rank: int) -> int:
     return dist.get_rank()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """``python -m refimpl.collectives``: the chapter's checks, on 2 local ranks or under torchrun.
 
     Under torchrun (``RANK`` is set) every process joins the job's group and rank 0 prints;
-    run plainly, it starts 2 gloo ranks with `refimpl.launch.spawn`.
+    run plainly, it starts 2 gloo ranks with `refimpl.launch.spawn`. It takes no options:
+    ``--help`` prints this and exits 0, any other argument exits 2 (argparse), so a typo
+    never starts ranks.
     """
+    import argparse
     import os
 
     from refimpl.launch import spawn
 
+    argparse.ArgumentParser(
+        prog="python -m refimpl.collectives",
+        description="Chapter 1's collectives and ring all-reduce check, on 2 local gloo ranks "
+        "(or on every rank of a torchrun job, where rank 0 prints).",
+    ).parse_args(argv)
     if "RANK" in os.environ:
         info = init_from_env()
         views, ring = [show_collectives()], [ring_matches_builtin(1 << 20)]
