@@ -97,8 +97,8 @@ def capture_every_rank(
                                    extra={"best_val_loss": best})
         with main_process_first(timeout_s=600) as is_main:
             if is_main:
-                evaluate()                       # rank 0 only, after the capture
-                save_checkpoint("ckpt", state, it)
+                evaluate(unwrap_model(model))    # rank 0 only, after the capture: the
+                save_checkpoint("ckpt", state, it)   # bare model (a DDP forward is collective)
     """
     rank, world = _world()
     mine = (capture_rng(), capture_grads(model) if micro_step else None)
