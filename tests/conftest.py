@@ -39,6 +39,7 @@ _SECONDS = {
     "notebooks/04_barriers_rank0_saving.ipynb": 48,
     "tests/test_train_sharded.py": 45,
     "tests/test_two_writers.py": 43,
+    "tests/test_bench_paced.py": 39,  # measured at load average 12 on 2 cores
     "tests/test_multinode.py": 35,
     "tests/test_hostile_entries.py": 35,
     "tests/test_sharded_async_exit.py": 35,

@@ -24,7 +24,8 @@ One concept per module; each matches a chapter of the book:
   several ways, restart, compare its output bit for bit with an untouched run (chapter 10)
 - `refimpl.trainstate`: every rank's state (RNG included) captured into one file checkpoint
   and resumed collectively, the pieces an existing script needs to be ported (chapter 11)
-- `refimpl.bench`: ``python -m refimpl.bench {allreduce,ddp,guard,reshard,save} --out DIR``
+- `refimpl.bench`: the book's benchmarks,
+  ``python -m refimpl.bench {allreduce,ddp,guard,paced,reshard,save,torchft} --out DIR``
 
 `refimpl.demos` holds the book's demos (the workers a chapter's notebook spawns, the fault
 harnesses); the library never imports it.
