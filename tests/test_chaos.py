@@ -20,7 +20,7 @@ from _chaos_helpers import tagged_pids
 
 from refimpl import chaos
 from refimpl._chaos_compare import first_difference, flatten, load_flat, summary
-from refimpl._chaos_scenarios import samples_check
+from refimpl._chaos_scenarios import perturb_env, samples_check
 from refimpl.chaos import ChaosError, format_table, main, run_chaos
 
 
@@ -708,6 +708,41 @@ def test_rng_perturb_says_when_a_green_result_cannot_see_a_forgotten_rng(
     else:
         assert row.detail.startswith("CAVEAT: reseeding every worker's global RNGs"), row.detail
         assert format_table([row]).splitlines()[1].endswith("CAVEAT: RNG never drawn")
+
+
+_RESEED_DURING_IMPORT = """
+import os, random, signal, time
+random.seed(1)
+seeded = random.getstate()
+random.__spec__._initializing = True  # as while `import random` runs
+os.kill(os.getpid(), signal.SIGUSR2)
+time.sleep(0.3)
+print("while importing, untouched:", random.getstate() == seeded)
+random.__spec__._initializing = False  # the import has finished
+deadline = time.monotonic() + 30
+while random.getstate() == seeded and time.monotonic() < deadline:
+    time.sleep(0.01)
+print("after the import, reseeded:", random.getstate() != seeded)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_reseed_that_lands_during_an_import_waits_for_it(tmp_path: Path) -> None:
+    # CI saw a worker die of "partially initialized module 'random' has no attribute 'seed'"
+    # when the rng-perturb signal reached it during its own `import random`.
+    env = {**os.environ, **perturb_env(tmp_path / "hook", dict(os.environ))}
+    done = subprocess.run(
+        [sys.executable, "-c", _RESEED_DURING_IMPORT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "while importing, untouched: True",
+        "after the import, reseeded: True",
+    ], done.stdout + done.stderr
 
 
 @pytest.mark.timeout(10)

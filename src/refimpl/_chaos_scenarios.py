@@ -36,7 +36,21 @@ import signal
 import sys
 
 
+def _initializing(name):
+    spec = getattr(sys.modules.get(name), "__spec__", None)
+    return bool(getattr(spec, "_initializing", False))
+
+
 def _reseed(signum, frame):
+    # The signal can land while the worker is still importing one of these modules (its
+    # seed function not defined yet): try again once the import has finished.
+    if any(_initializing(name) for name in ("random", "numpy", "torch")):
+        import threading
+
+        retry = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGUSR2))
+        retry.daemon = True
+        retry.start()
+        return
     seed = int.from_bytes(os.urandom(8), "little") >> 1
     import random
 
