@@ -7,7 +7,7 @@ import time
 import torch
 import torch.distributed as dist
 
-import refimpl._host_exchange as host_exchange
+import refimpl.guard._host_exchange as host_exchange
 from refimpl.guard import CollectiveGuard, CollectiveMismatch
 
 

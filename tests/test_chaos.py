@@ -18,10 +18,10 @@ import pytest
 import torch
 from _chaos_helpers import tagged_pids
 
-from refimpl import chaos
-from refimpl._chaos_compare import first_difference, flatten, load_flat, summary
-from refimpl._chaos_scenarios import perturb_env, samples_check
+from refimpl._compare import first_difference, flatten, load_flat, summary
 from refimpl.chaos import ChaosError, format_table, main, run_chaos
+from refimpl.chaos import _run as chaos_run
+from refimpl.chaos._scenarios import perturb_env, samples_check
 
 
 def _py(code: str) -> list[str]:
@@ -310,14 +310,19 @@ def test_a_kill_that_lands_after_the_command_ended_is_a_miss_not_a_pass(
 ) -> None:
     # A --kill-on that matches the trainer's last line: the kill can arrive after the
     # command exited. The action here waits until it has, so the race always goes that way.
-    real = chaos.kill_job
+    real = chaos_run.kill_job
 
     def late(root: int, token: str) -> str | None:
-        while (stat := Path(f"/proc/{root}/stat")).exists() and " Z " not in stat.read_text():
+        while True:  # until the command is a zombie or reaped (then its /proc entry is gone)
+            try:
+                if " Z " in Path(f"/proc/{root}/stat").read_text():
+                    break
+            except FileNotFoundError:
+                break
             time.sleep(0.01)
         return real(root, token)
 
-    monkeypatch.setattr(chaos, "kill_job", late)
+    monkeypatch.setattr(chaos_run, "kill_job", late)
     code = _LEAVES_ORPHAN + "\n    print('all done', flush=True)\n"
     (row,) = run_chaos(
         _py(code),
@@ -747,7 +752,7 @@ def test_a_reseed_that_lands_during_an_import_waits_for_it(tmp_path: Path) -> No
 
 @pytest.mark.timeout(10)
 def test_the_traceback_shown_is_the_root_cause_ranks_last_one() -> None:
-    from refimpl._chaos_diagnose import first_traceback
+    from refimpl.chaos._diagnose import first_traceback
 
     lines = [
         "[rank0]:[rank0]: Traceback (most recent call last):",  # torch's own prefix too

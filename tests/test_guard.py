@@ -11,13 +11,8 @@ import torch
 import torch.distributed as dist
 
 from refimpl.demos import multitask as mt
-from refimpl.guard import (
-    FINGERPRINT_LEN,
-    CollectiveGuard,
-    _decode,
-    _fingerprint,
-    _reduce_code,
-)
+from refimpl.guard import FINGERPRINT_LEN, CollectiveGuard
+from refimpl.guard._fingerprint import decode, fingerprint, reduce_code
 from refimpl.launch import spawn
 
 AR = "all_reduce"
@@ -123,19 +118,17 @@ def test_environment_switch_turns_the_guard_off(monkeypatch: pytest.MonkeyPatch)
 
 def test_fingerprint_round_trip_and_long_names() -> None:
     t = torch.zeros(3, 4, dtype=torch.bfloat16)
-    fp = _fingerprint(7, "all_reduce", "tâche/ünïcode", t, 4)
+    fp = fingerprint(7, "all_reduce", "tâche/ünïcode", t, 4)
     assert len(fp) == FINGERPRINT_LEN
-    call = _decode(2, fp)
+    call = decode(2, fp)
     assert (call.rank, call.seq, call.op, call.name, call.dtype, call.shape) == (
         2, 7, "all_reduce", "tâche/ünïcode", "bfloat16", (3, 4))  # fmt: skip
     assert str(call) == "rank 2: call #7 all_reduce (MAX) 'tâche/ünïcode' bfloat16[3x4]"
     long_a, long_b = "x" * 200 + "a", "x" * 200 + "b"  # equal in the first 112 bytes
-    assert _fingerprint(0, "barrier", long_a, None, 0) != _fingerprint(
-        0, "barrier", long_b, None, 0
-    )
-    assert _decode(0, [0] * FINGERPRINT_LEN).name == "<not a guard fingerprint>"
+    assert fingerprint(0, "barrier", long_a, None, 0) != fingerprint(0, "barrier", long_b, None, 0)
+    assert decode(0, [0] * FINGERPRINT_LEN).name == "<not a guard fingerprint>"
     with pytest.raises(ValueError, match="at most 8"):
-        _fingerprint(0, "all_reduce", "deep", torch.zeros([1] * 9), 0)
+        fingerprint(0, "all_reduce", "deep", torch.zeros([1] * 9), 0)
 
 
 def test_chapter_loop_guarded_stops_at_the_first_divergent_step() -> None:
@@ -159,16 +152,16 @@ def test_every_dtype_and_reduce_op_has_its_own_fingerprint() -> None:
     dtypes = {v for v in vars(torch).values() if isinstance(v, torch.dtype)}
     seen = {}
     for dtype in dtypes:
-        fp = _fingerprint(0, "all_reduce", "m", torch.empty(0, dtype=dtype), 0)
-        assert _decode(0, fp).dtype == str(dtype).removeprefix("torch.")
+        fp = fingerprint(0, "all_reduce", "m", torch.empty(0, dtype=dtype), 0)
+        assert decode(0, fp).dtype == str(dtype).removeprefix("torch.")
         seen[tuple(fp)] = dtype
     assert len(seen) == len(dtypes)  # no two dtypes share a fingerprint
     ops = dist.ReduceOp.RedOpType.__members__
     fps = set()
     for name, op in ops.items():
         for given in (op, dist.ReduceOp(op) if name != "PREMUL_SUM" else op):
-            fp = _fingerprint(0, "all_reduce", "m", torch.zeros(1), _reduce_code(given))
-            assert _decode(0, fp).detail == f"({name})"
+            fp = fingerprint(0, "all_reduce", "m", torch.zeros(1), reduce_code(given))
+            assert decode(0, fp).detail == f"({name})"
             fps.add(tuple(fp))
     assert len(fps) == len(ops)
 
@@ -231,11 +224,11 @@ def test_on_one_host_the_check_is_no_collective() -> None:
 
 
 def test_the_device_is_part_of_the_fingerprint() -> None:
-    cpu = _fingerprint(0, "all_reduce", "m", torch.zeros(2), 0)
-    meta = _fingerprint(0, "all_reduce", "m", torch.zeros(2, device="meta"), 0)
+    cpu = fingerprint(0, "all_reduce", "m", torch.zeros(2), 0)
+    meta = fingerprint(0, "all_reduce", "m", torch.zeros(2, device="meta"), 0)
     assert cpu != meta  # a CPU tensor carried on one rank, a CUDA one reduced on another: caught
-    assert str(_decode(0, meta)) == "rank 0: call #0 all_reduce (SUM) 'm' meta:float32[2]"
-    assert str(_decode(0, cpu)) == "rank 0: call #0 all_reduce (SUM) 'm' float32[2]"
+    assert str(decode(0, meta)) == "rank 0: call #0 all_reduce (SUM) 'm' meta:float32[2]"
+    assert str(decode(0, cpu)) == "rank 0: call #0 all_reduce (SUM) 'm' float32[2]"
 
 
 def test_carried_all_reduce_of_views_and_tensors_that_require_grad() -> None:

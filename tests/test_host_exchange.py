@@ -1,4 +1,4 @@
-"""refimpl._host_exchange: the guard's check over Unix datagram sockets on one host.
+"""refimpl.guard._host_exchange: the guard's check over Unix datagram sockets on one host.
 
 The exchange itself is tested in one process, a thread per rank (no process group needed);
 `HostExchange.connect`'s vote and the guard's use of it, with real ranks."""
@@ -15,7 +15,7 @@ from typing import Any
 import _host_exchange_workers as workers
 import pytest
 
-from refimpl._host_exchange import _HEAD, ExchangeFailed, HostExchange, _name
+from refimpl.guard._host_exchange import _HEAD, ExchangeFailed, HostExchange, _name
 from refimpl.launch import spawn
 
 ROW = 64  # bytes per row in the in-process tests

@@ -595,7 +595,7 @@ def test_a_worker_whose_agent_is_killed_exits_within_10_s(tmp_path: Path) -> Non
     refimpl noticed, the worker trained on alone (still alive 10 s later)."""
     import signal
 
-    from refimpl._chaos_proc import workers
+    from refimpl._processes import workers
 
     script = tmp_path / "waits.py"
     script.write_text(_WAITS_FOREVER)

@@ -8,7 +8,7 @@ of a fixed two-node job (``--fail-at-step``); `elastic_loss` kills node ``b`` of
 job, lets the job go on alone and, with ``regrow=True``, starts ``b`` again. `trained_once`
 counts, from ``--sample-log``, which samples the final model was trained on.
 
-Linux only (processes are found through ``/proc``, as in `refimpl._chaos_proc`).
+Linux only (processes are found through ``/proc``, as in `refimpl._processes`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from refimpl._chaos_proc import MARKER, descendants, kill_run, marked, signal_all
+from refimpl._processes import MARKER, descendants, kill_run, marked, signal_all
 
 __all__ = ["RDZV_CONF", "Node", "TwoNodes", "agent_command", "elastic_loss", "fixed_restart"]
 __all__ += ["ephemeral_range", "free_port", "rank0_attempts", "trained_once"]

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from refimpl._chaos_compare import first_difference, load_flat
+from refimpl._compare import first_difference, load_flat
 from refimpl.chaos import ChaosRow, run_chaos
 
 __all__ = ["SCRIPTS", "TEXT", "Draws", "chaos_scripts", "differing_tensors", "draws_after_resume"]

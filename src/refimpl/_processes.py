@@ -1,4 +1,7 @@
-"""`refimpl.chaos`'s process handling: run a command, watch its lines, signal its workers.
+"""A command's processes: run it, watch its lines, find and signal its workers.
+
+Used by `refimpl.chaos` and by the multi-node demo (`refimpl.demos.multinode`), which kill
+the same kind of process tree.
 
 Linux only: workers are found through ``/proc``. torchrun starts each worker in a session of
 its own (``start_new_session=True`` in torch.distributed.elastic.multiprocessing's

@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from refimpl._chaos_proc import Action, descendants, kill_run, signal_all, split_rank, workers
+from refimpl._processes import Action, descendants, kill_run, signal_all, split_rank, workers
 
 WHAT = {
     "kill-rank1": "SIGKILL the worker with RANK=1 at --kill-on; torchrun restarts the workers",

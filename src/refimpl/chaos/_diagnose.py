@@ -2,7 +2,7 @@
 where each rank of a stalled restart was stuck, and the known cause of the usual stall.
 
 A run's lines carry a rank prefix where torchrun teed them (chaos asks it to tee the workers'
-stderr, with `refimpl._chaos_proc.RANK_PREFIX_TEMPLATE`): a traceback or a stack dump is then
+stderr, with `refimpl._processes.RANK_PREFIX_TEMPLATE`): a traceback or a stack dump is then
 attributed to its rank. A stalled run's workers are sent SIGABRT before the kill; with
 ``PYTHONFAULTHANDLER=1`` (chaos sets it) each prints its Python stack to stderr, which is
 how the explanation knows a rank was stuck in ``init_process_group``.
@@ -16,7 +16,7 @@ import textwrap
 import time
 from collections.abc import Mapping, Sequence
 
-from refimpl._chaos_proc import env_of, signal_all, split_rank, workers
+from refimpl._processes import env_of, signal_all, split_rank, workers
 
 _STACK_WAIT_S = 10.0  # at most, for the aborted workers to exit (a loaded machine is slow)
 _TAIL_S = 0.5  # then for torchrun's tail of their stderr (it polls every 0.1 s) to pass it on
@@ -119,7 +119,7 @@ def _alive(pid: int) -> bool:
 
 
 def probe_stall(root: int, token: str) -> str:
-    """`refimpl._chaos_proc.StallHook`: which restart the workers are in, then SIGABRT to each
+    """`refimpl._processes.StallHook`: which restart the workers are in, then SIGABRT to each
     (faulthandler prints its stack), and time for torchrun's tail to pass the dumps on: until
     the launcher ends, at most `_TAIL_MAX_S` after the workers did."""
     found = workers(root)

@@ -10,10 +10,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from refimpl._chaos_compare import first_difference, load_flat, tensor_distance
-from refimpl._chaos_diagnose import first_traceback, last_error, rank_report
-from refimpl._chaos_proc import Run, split_rank
-from refimpl._chaos_scenarios import samples_check
+from refimpl._compare import first_difference, load_flat, tensor_distance
+from refimpl._processes import Run, split_rank
+from refimpl.chaos._diagnose import first_traceback, last_error, rank_report
+from refimpl.chaos._scenarios import samples_check
 
 
 class ChaosError(RuntimeError):

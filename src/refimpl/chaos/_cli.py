@@ -12,8 +12,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from refimpl._argtypes import int_range
-from refimpl._chaos_scenarios import help_text
-from refimpl._chaos_verdict import ChaosError, ChaosRow, format_table
+from refimpl.chaos._scenarios import help_text
+from refimpl.chaos._verdict import ChaosError, ChaosRow, format_table
 
 
 def cli(argv: Sequence[str] | None, run: Callable[..., list[ChaosRow]], title: str) -> int:

@@ -1,4 +1,5 @@
-"""`refimpl.chaos`'s comparison: two saved results, flattened to dotted keys, bit for bit.
+"""Two saved results, flattened to dotted keys, compared bit for bit (`refimpl.chaos`'s
+``--compare``, and the porting demos' count of differing tensors).
 
 A result is a ``torch.save`` file (loaded weights-only), a ``.safetensors`` file, or a DCP
 checkpoint directory (read with ``torch.distributed.checkpoint``, no process group). It is

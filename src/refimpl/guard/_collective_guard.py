@@ -1,33 +1,5 @@
-"""Chapter 7: collectives that check every rank is making the same call, before making it.
-
-A collective only pairs the ranks' *n*-th calls with each other; nothing checks that those
-calls mean the same thing. When ranks disagree (rank 0 reduces ``"seg/loss"`` while rank 1
-reduces ``"cls/acc"``) the job either hangs (the calls differ in kind or count) or, when the
-tensors happen to match in shape and dtype, returns wrong numbers with no error at all.
-``TORCH_DISTRIBUTED_DEBUG=DETAIL`` catches the first kind (it compares op, shape and dtype)
-but not the second: it has no idea what a tensor *means*.
-
-`CollectiveGuard` gives every collective a ``name``. Before each call the ranks exchange a
-fixed-size fingerprint (sequence number, op, name, shape, dtype: 32 int64): over Unix
-datagram sockets when every rank runs on one host (`refimpl._host_exchange`, about 12 us on 2
-cores), else with one all-gather in a gloo group of the guard's own. Every rank then holds
-every rank's call, and if they differ every rank raises `CollectiveMismatch` naming what
-each rank was calling, so the job stops at the first divergent call instead of hanging or
-averaging the wrong metric.
-A small all-reduce (a metric's sum and count: up to `CARRY_BYTES` on the CPU) travels in the
-same exchange and each rank reduces the copies itself, so a guarded metric sync is one
-exchange; a larger one is the check, then the all-reduce. Nothing else happens on the
-way: no store traffic, and the fingerprint of each kind of call is built once. If the
-exchange itself fails (a rank skipped the call, is stuck elsewhere, or gave up waiting), the
-error names each rank's last call: the last one all ranks passed together, or, for a rank
-that waited at this very call and gave up, that call, which a failing rank leaves in the
-process group's store.
-
-Example::
-
-    guard = CollectiveGuard()
-    guard.all_reduce(loss_sum, name="train/seg/loss")
-"""
+"""`CollectiveGuard`: each collective checked against every rank's call before it runs (the
+package's docstring says how)."""
 
 from __future__ import annotations
 
@@ -41,31 +13,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from refimpl._fingerprint import (
-    FINGERPRINT_LEN,
-    MAX_DIMS,
-    NAME_BYTES,
-    GuardedCall,
-    _decode,
-    _fingerprint,
-    _reduce_code,
-)
 from refimpl._group_timeout import group_timeout
-from refimpl._guard_carry import carriable, reduce_in_rank_order
-from refimpl._guard_report import CollectiveMismatch, Where, timeout_report
-from refimpl._host_exchange import HostExchange
-
-__all__ = [
-    "CARRY_BYTES",
-    "FINGERPRINT_LEN",
-    "MAX_DIMS",
-    "NAME_BYTES",
-    "CollectiveGuard",
-    "CollectiveMismatch",
-    "GuardedCall",
-]
-# documented, and pickled by reference, as refimpl.guard's
-GuardedCall.__module__ = CollectiveMismatch.__module__ = __name__
+from refimpl.guard._carry import carriable, reduce_in_rank_order
+from refimpl.guard._fingerprint import (
+    FINGERPRINT_LEN,
+    decode,
+    fingerprint,
+    reduce_code,
+)
+from refimpl.guard._host_exchange import HostExchange
+from refimpl.guard._report import CollectiveMismatch, Where, timeout_report
 
 CARRY_BYTES = 256
 """A guarded all-reduce of a CPU tensor up to this size travels inside the fingerprint
@@ -74,7 +31,7 @@ _ROW = FINGERPRINT_LEN + CARRY_BYTES // 8  # int64 slots each rank contributes p
 _CARRY_MAX_WORLD = 64  # past this, gathering every rank's copy costs more than it saves
 _CACHED_FINGERPRINTS = 1024  # kinds of call (op, name, dtype, shape) kept ready per guard
 _SUM = dist.ReduceOp.SUM
-assert _reduce_code(_SUM) == 0  # all_reduce's fast path for the default op
+assert reduce_code(_SUM) == 0  # all_reduce's fast path for the default op
 
 
 class CollectiveGuard:
@@ -200,7 +157,7 @@ class CollectiveGuard:
         if all(head == mine for head in self._heads_bytes):  # every rank's call is mine
             self._last_passed = fp[:FINGERPRINT_LEN]
             return
-        calls = [_decode(r, self._heads[r].tolist()) for r in range(world)]
+        calls = [decode(r, self._heads[r].tolist()) for r in range(world)]
         table = "\n".join(f"  {c}" for c in calls)
         raise CollectiveMismatch(
             f"ranks disagree on collective #{calls[self._me].seq} (this is rank {self._me}):\n"
@@ -266,7 +223,7 @@ class CollectiveGuard:
         if fp is None:
             if len(self._fingerprints) >= _CACHED_FINGERPRINTS:
                 self._fingerprints.clear()
-            fp = array("q", _fingerprint(0, op, name, tensor, detail))
+            fp = array("q", fingerprint(0, op, name, tensor, detail))
             self._fingerprints[key] = fp
         return fp
 
@@ -280,7 +237,7 @@ class CollectiveGuard:
         the same on every rank; with more than two ranks a float sum may differ from gloo's
         ring order in the last bit. Larger tensors: the check, then ``dist.all_reduce`` (in
         the guard's group for a CPU tensor: see `data_group`)."""
-        code = 0 if op is _SUM else _reduce_code(op)
+        code = 0 if op is _SUM else reduce_code(op)
         if not self.enabled or not dist.is_initialized():
             dist.all_reduce(tensor, op=op, group=self.group)
         elif self._carried(tensor, code):

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from refimpl._fingerprint import GuardedCall, _decode
-from refimpl._host_exchange import ExchangeFailed
+from refimpl.guard._fingerprint import GuardedCall, decode
+from refimpl.guard._host_exchange import ExchangeFailed
 
 
 class CollectiveMismatch(RuntimeError):
@@ -43,7 +43,7 @@ def timeout_report(
     """The fingerprint exchange failed: not every rank came (in time). Leave this rank's call
     in the store for its peers' reports, read theirs, and say what each rank did."""
     me, world, store, timeout_s = where.me, where.world, where.store, where.timeout_s
-    mine = _decode(me, fp)
+    mine = decode(me, fp)
     record = f"{arrived:.3f} " + " ".join(map(str, fp))
     store_ok = store is not None
     if store is not None:  # only a failing rank writes: nothing on the hot path
@@ -64,7 +64,7 @@ def timeout_report(
             peers_since.append(since)
             lines.append(f"  {last[r]}  <- waited here, gave up")
         elif where.last_passed is not None:
-            last[r] = _decode(r, where.last_passed)
+            last[r] = decode(r, where.last_passed)
             done = str(last[r]).split(": ", 1)[1]
             lines.append(f"  rank {r} last passed {done}, then no record")
         else:
@@ -97,7 +97,7 @@ def _peer_record(store: Any, key: str, seq: int, rank: int) -> tuple[float, Guar
         if not store.check([key]):
             return None
         since, *fp = store.get(key).decode().split()
-        call = _decode(rank, [int(x) for x in fp])
+        call = decode(rank, [int(x) for x in fp])
     except Exception:  # the store may be gone with the rank that held it
         return None
     return (float(since), call) if call.seq == seq else None  # older: another failure

@@ -26,7 +26,7 @@ _OPS = ("all_reduce", "broadcast", "all_gather", "barrier", "reduce_scatter")
 # (a fixed short table let uint16 pass for uint32 and one float8 for another).
 _DTYPES = tuple(sorted({str(v) for v in vars(torch).values() if isinstance(v, torch.dtype)}))
 # Every reduce op by its enum value (BAND and BOR were once one "other" code).
-_REDUCE_OPS = {int(v.value): k for k, v in dist.ReduceOp.RedOpType.__members__.items()}
+REDUCE_OPS = {int(v.value): k for k, v in dist.ReduceOp.RedOpType.__members__.items()}
 # The device type shares the dtype slot (code + _DEVICE_STEP * device), so that a CPU tensor
 # on one rank and a CUDA tensor on another differ, as the path each takes would.
 _DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "meta", "privateuseone")
@@ -67,7 +67,7 @@ def _name_slots(name: str) -> tuple[int, ...]:
     return (_name_hash(name), min(len(raw), NAME_BYTES), *chunks)
 
 
-def _fingerprint(
+def fingerprint(
     seq: int, op: str, name: str, tensor: torch.Tensor | None, detail: int
 ) -> list[int]:
     name_hash, length, *chunks = _name_slots(name)
@@ -91,7 +91,7 @@ def _fingerprint(
     return [_MAGIC, seq, _OPS.index(op), name_hash, detail, length, dtype, ndim, *shape, *chunks]
 
 
-def _decode(rank: int, v: list[int]) -> GuardedCall:
+def decode(rank: int, v: list[int]) -> GuardedCall:
     if v[0] != _MAGIC or not 0 <= v[2] < len(_OPS):
         return GuardedCall(rank, -1, "?", "<not a guard fingerprint>", "?", ())
     raw = b"".join(x.to_bytes(7, "little") for x in v[16:])
@@ -114,10 +114,10 @@ def _decode(rank: int, v: list[int]) -> GuardedCall:
 def _detail_name(op: str, code: int) -> str:
     if op == "broadcast":
         return f"src={code}"
-    return _REDUCE_OPS.get(code, f"op{code}")
+    return REDUCE_OPS.get(code, f"op{code}")
 
 
-def _reduce_code(op: Any) -> int:
+def reduce_code(op: Any) -> int:
     """The op's enum value: ``ReduceOp.BAND`` is a ``RedOpType``; ``ReduceOp(...)`` wraps one
     in ``.op``. (A PREMUL_SUM's factor is not compared.)"""
     return int(getattr(op, "op", op))

@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from refimpl._fingerprint import _REDUCE_OPS
+from refimpl.guard._fingerprint import REDUCE_OPS
 
 __all__ = ["carriable", "reduce_in_rank_order"]
 
-_CODE = {name: code for code, name in _REDUCE_OPS.items()}
+_CODE = {name: code for code, name in REDUCE_OPS.items()}
 _OPS: dict[int, Any] = {  # reduce op code: the element-wise op applied rank after rank
     _CODE["SUM"]: np.add,
     _CODE["PRODUCT"]: np.multiply,
