@@ -30,6 +30,7 @@ _SECONDS = {
     "notebooks/10_fault_tolerant_training.ipynb": 360,
     "tests/test_chaos_styles.py": 194,
     "tests/test_train.py": 150,
+    "tests/test_multinode.py": 115,
     "tests/test_chaos_trainers.py": 89,
     "tests/test_dirlock.py": 85,
     "notebooks/11_porting_an_existing_script.ipynb": 84,
@@ -40,7 +41,6 @@ _SECONDS = {
     "tests/test_train_sharded.py": 45,
     "tests/test_two_writers.py": 43,
     "tests/test_bench_paced.py": 39,  # measured at load average 12 on 2 cores
-    "tests/test_multinode.py": 35,
     "tests/test_hostile_entries.py": 35,
     "tests/test_sharded_async_exit.py": 35,
     "tests/test_train_flags.py": 29,

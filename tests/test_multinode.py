@@ -1,7 +1,9 @@
 """refimpl.demos.multinode: two torchrun agents on one machine, as two nodes. The slow tests
 run chapter 10's two multi-node claims on real agents: a fixed two-node job whose worker dies
 restarts both nodes and ends bit-identical to an uninterrupted run; an elastic job that loses
-a whole node goes on alone and trains every sample of the interrupted epoch exactly once."""
+a whole node goes on alone and trains every sample of the interrupted epoch exactly once; and
+a three-node job that loses the node serving torchrun's shared store hands a survivor's worker
+the dead address, unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from refimpl.demos.multinode import (
     ephemeral_range,
     fixed_restart,
     free_port,
+    lose_store_host,
     rank0_attempts,
     trained_once,
 )
@@ -128,3 +131,30 @@ def test_an_elastic_job_that_loses_a_node_goes_on_alone_and_trains_each_sample_o
     assert got["epochs"][0] == Counter(range(64)) and got["padding"][0] == 0
     assert max(got["epochs"][1].values()) == 1
     assert (tmp_path / "w.pt").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_three_nodes_losing_the_shared_store_host_hand_a_survivor_the_dead_address(
+    tmp_path: Path,
+) -> None:
+    # torch 2.13's next_rendezvous rebuilds an agent's cached store address only on its first
+    # rendezvous or when it becomes rank 0 without a server: node a (rank 2, then rank 1)
+    # keeps node b's. With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 every round publishes afresh.
+    args = [*ARGS, "--steps", "10", "--save-every", "2", "--samples", "96",
+            "--step-sleep", "0.25", "--pg-timeout", "20"]  # fmt: skip
+    shared = lose_store_host(tmp_path / "shared", args, share_store=True, kill_after_step=3,
+                             timeout_s=120)  # fmt: skip
+    assert "error" not in shared, shared["log"]
+    assert len(set(shared["before"].values())) == 1  # one store for the first round: b's
+    assert shared["after"]["a"] == shared["before"]["b"], shared
+    assert shared["after"]["c"] != shared["before"]["b"], shared
+    assert shared["listening"] == {"a": False, "c": True}, shared
+    fresh = lose_store_host(tmp_path / "fresh", args, share_store=False, kill_after_step=3,
+                            timeout_s=120)  # fmt: skip
+    assert "error" not in fresh, fresh["log"]
+    assert fresh["after"]["a"] == fresh["after"]["c"] != fresh["before"]["b"], fresh
+    assert fresh["listening"] == {"a": True, "c": True}, fresh
+    assert fresh["exit"][0] == 0 and fresh["exit"][2] == 0, fresh["log"]
+    assert [a["world"] for a in fresh["attempts"]] == [3, 2], fresh["log"]
+    assert (tmp_path / "fresh" / "w.pt").exists()

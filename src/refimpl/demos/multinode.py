@@ -5,7 +5,8 @@ its own, both meeting at one endpoint on 127.0.0.1; node ``a`` serves the rendez
 (``is_host=1``), so the node that is lost is always the other one. Losing a node is what a
 scheduler does to it: SIGKILL its agent and its worker, by pid. `fixed_restart` kills a worker
 of a fixed two-node job (``--fail-at-step``); `elastic_loss` kills node ``b`` of a ``1:2``
-job, lets the job go on alone and, with ``regrow=True``, starts ``b`` again. `trained_once`
+job, lets the job go on alone and, with ``regrow=True``, starts ``b`` again. `lose_store_host`
+runs three agents and loses the one whose agent serves the workers' store. `trained_once`
 counts, from ``--sample-log``, which samples the final model was trained on.
 
 Linux only (processes are found through ``/proc``, as in `refimpl._processes`).
@@ -29,10 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from refimpl._processes import MARKER, descendants, kill_run, marked, signal_all
+from refimpl._processes import MARKER, descendants, env_of, kill_run, marked, signal_all, workers
 
 __all__ = ["RDZV_CONF", "Node", "TwoNodes", "agent_command", "elastic_loss", "fixed_restart"]
-__all__ += ["ephemeral_range", "free_port", "rank0_attempts", "trained_once"]
+__all__ += ["ephemeral_range", "free_port", "lose_store_host", "rank0_attempts", "trained_once"]
 
 RDZV_CONF = {
     "join_timeout": 60,  # default 600: a node that waits longer than this for a round fails
@@ -86,15 +87,17 @@ def free_port() -> int:
 
 def agent_command(
     train_args: Sequence[str], *, nnodes: str, port: int, rdzv_id: str, host: bool,
-    max_restarts: int = 2,
+    max_restarts: int = 2, local_addr: str | None = None,
 ) -> list[str]:  # fmt: skip
-    """One node's line: ``torchrun --nnodes=N --nproc-per-node=1 --rdzv-backend=c10d ...``."""
+    """One node's line: ``torchrun --nnodes=N --nproc-per-node=1 --rdzv-backend=c10d ...``
+    (with ``local_addr``, ``--local-addr=ADDR``: the node's address, which orders node ranks)."""
     conf = ",".join(f"{k}={v}" for k, v in {**RDZV_CONF, "is_host": int(host)}.items())
     torchrun = Path(sys.executable).with_name("torchrun")
     head = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    addr = [f"--local-addr={local_addr}"] if local_addr is not None else []
     return [*head, f"--nnodes={nnodes}", "--nproc-per-node=1", f"--max-restarts={max_restarts}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv_id}",
-            f"--rdzv-conf={conf}", "-m", "refimpl.train", *train_args]  # fmt: skip
+            f"--rdzv-conf={conf}", *addr, "-m", "refimpl.train", *train_args]  # fmt: skip
 
 
 @dataclass
@@ -130,11 +133,12 @@ class TwoNodes:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def start(self, name: str, *, host: bool) -> Node:
-        """Start one agent (``host``: it serves the rendezvous store)."""
+    def start(self, name: str, *, host: bool, local_addr: str | None = None) -> Node:
+        """Start one agent (``host``: it serves the rendezvous store; ``local_addr``: its
+        ``--local-addr``)."""
         cmd = agent_command(self.train_args, nnodes=self.nnodes, port=self.port,
-                            rdzv_id=self.rdzv_id, host=host,
-                            max_restarts=self.max_restarts)  # fmt: skip
+                            rdzv_id=self.rdzv_id, host=host, max_restarts=self.max_restarts,
+                            local_addr=local_addr)  # fmt: skip
         token = uuid.uuid4().hex
         env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
         env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
@@ -339,4 +343,80 @@ def elastic_loss(workdir: str | os.PathLike[str], train_args: Sequence[str], *,
         out["seconds"] = round(time.monotonic() - run.t0, 1)
     texts = [line for _, _, line in run.lines()]
     keep = (*AGENT_KEEP, *TRAINER_KEEP, "[rank0] step")
+    return {**out, "attempts": rank0_attempts(texts), "log": _excerpt(run, keep), "lines": texts}
+
+
+STORE_HOST_ADDRS = {"b": "127.0.0.1", "c": "127.0.0.2", "a": "127.0.0.3"}
+"""`lose_store_host`'s ``--local-addr`` per node. Node ranks are the participants sorted by
+(address, pid), so ``b`` is rank 0 of the first round, and with torchrun's shared store its
+agent serves the workers' store; ``a`` serves the rendezvous store (``is_host=1``)."""
+
+
+def _worker_store(node: Node, old: set[int], deadline: float) -> tuple[int, str]:
+    """The pid of ``node``'s worker not in ``old`` and the ``MASTER_ADDR:MASTER_PORT`` its
+    agent gave it; `TimeoutError` if none appears before ``deadline``."""
+    while time.monotonic() < deadline:
+        for pid in workers(node.proc.pid).values():
+            addr, port = env_of(pid, "MASTER_ADDR"), env_of(pid, "MASTER_PORT")
+            if pid not in old and addr and port:
+                return pid, f"{addr}:{port}"
+        time.sleep(0.05)
+    raise TimeoutError(f"node {node.name}: no new worker appeared")
+
+
+def _listening(address: str) -> bool:
+    """Whether anything accepts a TCP connection at ``HOST:PORT`` now."""
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def lose_store_host(workdir: str | os.PathLike[str], train_args: Sequence[str], *,
+                    share_store: bool, kill_after_step: int,
+                    timeout_s: float = 120.0) -> dict[str, Any]:  # fmt: skip
+    """An elastic ``--nnodes=2:3`` job of three agents loses node ``b``, rank 0 of the first
+    round (`STORE_HOST_ADDRS`), once rank 0 has logged ``kill_after_step`` at world 3.
+
+    Reads, from ``/proc``, the store address (``MASTER_ADDR:MASTER_PORT``) each agent gave
+    its worker in the first round and in the round after the loss, and whether anything
+    listens there. With ``share_store`` (torch's default) it stops the job as soon as the
+    survivors' new workers exist (what they were handed is the result); without it
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) it lets the job run to its end.
+
+    Returns ``{"before": {node: address}, "after": {node: address}, "listening": {node: bool},
+    "exit": [a, b, c] exit codes (None: stopped or killed here), "attempts", "seconds",
+    "log"}``, and
+    ``"error"`` (with the log so far) when an expected line or worker did not come within
+    ``timeout_s``.
+    """
+    work = Path(workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    out: dict[str, Any] = {}
+    with TwoNodes(work, train_args, nnodes="2:3", share_store=share_store) as run:
+        nodes = {name: run.start(name, host=name == "a", local_addr=STORE_HOST_ADDRS[name])
+                 for name in ("a", "b", "c")}  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        try:
+            three = run.wait_for(r"^\[rank0\] start: world 3", timeout_s=timeout_s)
+            run.wait_for(rf"^\[rank0\] step {kill_after_step} loss", since=three,
+                         timeout_s=timeout_s)  # fmt: skip
+            first = {n: _worker_store(node, set(), deadline) for n, node in nodes.items()}
+            out["before"] = {n: address for n, (_, address) in first.items()}
+            run.kill(nodes["b"])
+            after = {n: _worker_store(nodes[n], {first[n][0]}, deadline) for n in ("a", "c")}
+            out["after"] = {n: address for n, (_, address) in after.items()}
+            if not share_store:  # the store is the new rank 0 worker's: once it has started
+                run.wait_for(r"^\[rank0\] start: world 2", timeout_s=timeout_s)
+            out["listening"] = {n: _listening(address) for n, address in out["after"].items()}
+            if not share_store:
+                out["exit"] = run.wait(max(1.0, deadline - time.monotonic()))
+        except TimeoutError as e:  # said in the result, with the log so far
+            out["error"] = str(e)
+        out.setdefault("exit", [None, None, None])  # stopped here (close kills what is left)
+        out["seconds"] = round(time.monotonic() - run.t0, 1)
+    texts = [line for _, _, line in run.lines()]
+    keep = (*AGENT_KEEP, *TRAINER_KEEP)
     return {**out, "attempts": rank0_attempts(texts), "log": _excerpt(run, keep), "lines": texts}
