@@ -26,9 +26,14 @@ __all__ = [
     "Diagram",
     "draw_async_staging",
     "draw_atomic_save",
+    "draw_collective_order",
+    "draw_collectives",
     "draw_dcp_commit",
     "draw_ddp_overlap",
+    "draw_live_recovery",
+    "draw_rank0_save",
     "draw_torchrun_restarts",
+    "draw_training_state",
     "main",
     "write_all",
     "write_svg",
@@ -133,9 +138,10 @@ def _label(
     weight: str = "normal",
     style: str = "normal",
     rotation: float = 0.0,
+    color: str = INK,
 ) -> None:
     """Free text centred vertically on y (a lane's name, an arrow's label)."""
-    ax.text(x, y, text, ha=ha, va="center", fontsize=size, color=INK, linespacing=1.15)
+    ax.text(x, y, text, ha=ha, va="center", fontsize=size, color=color, linespacing=1.15)
     ax.texts[-1].set(weight=weight, style=style, rotation=rotation)
 
 
@@ -280,6 +286,143 @@ def draw_torchrun_restarts() -> Figure:
     return fig
 
 
+def draw_collectives() -> Figure:
+    """The four collectives on three ranks, each rank's tensor before and after (chapter 1)."""
+    fig, ax = _canvas(13.0)
+    panels = [
+        ("broadcast", 0.0, 6.6, ["a", "", ""], ["a", "a", "a"]),
+        ("all-reduce", 8.1, 6.6, ["1", "2", "3"], ["6", "6", "6"]),
+        ("all-gather", 0.0, 0.2, ["a", "b", "c"], ["a b c"] * 3),
+        ("reduce-scatter", 8.1, 0.2, ["1 2 3"] * 3, ["3", "6", "9"]),
+    ]
+    for title, x0, y0, before, after in panels:
+        _label(ax, x0 + 3.95, y0 + 5.75, title, weight="bold", size=BIG)
+        for r in range(3):
+            y = y0 + 3.6 - r * 1.55
+            _label(ax, x0 + 0.2, y + 0.55, f"rank {r}", ha="left", size=SMALL)
+            fill = SKY if before[r] else "white"
+            _box(ax, x0 + 1.75, y, 2.3, 1.1, before[r], fill, size=BIG)
+            _arrow(ax, (x0 + 4.15, y + 0.55), (x0 + 5.05, y + 0.55))
+            _box(ax, x0 + 5.15, y, 2.5, 1.1, after[r], GREEN, size=BIG)
+    ax.plot([8.0, 8.0], [0.3, 12.6], color=GREY, linewidth=2)
+    ax.plot([0.2, 15.8], [6.4, 6.4], color=GREY, linewidth=2)
+    return fig
+
+
+def draw_rank0_save() -> Figure:
+    """Rank 0 saves while the others wait: under the training timeout they give up; in a
+    barrier with a budget of its own they wait the save out (chapter 4)."""
+    fig, ax = _canvas(12.2)
+    t0, per_s, h = 3.1, 2.3, 1.0
+
+    def at(seconds: float) -> float:
+        return t0 + seconds * per_s
+
+    panels = [
+        (6.3, "next collective, 2 s timeout", False),
+        (0.2, "barrier_safe, 10 s budget", True),
+    ]
+    for y0, title, safe in panels:
+        _label(ax, 8.0, y0 + 5.35, title, weight="bold", size=BIG)
+        for r in range(3):
+            y = y0 + 3.3 - r * 1.45
+            _label(ax, 0.2, y + h / 2, f"rank {r}", ha="left")
+            if r == 0:
+                _box(ax, at(0), y, at(3.5) - at(0), h, "save, 3.5 s", ORANGE)
+            elif safe:
+                _box(ax, at(0), y, at(3.5) - at(0), h, "wait", GREY)
+            else:
+                _box(ax, at(0), y, at(2) - at(0), h, "wait", GREY)
+                _box(ax, at(2) + 0.1, y, 2.7, h, "timeout", VERMILLION, bold=True)
+            if safe:
+                _box(ax, at(3.5) + 0.1, y, 2.5, h, "train on", GREEN)
+        ax.plot([at(2), at(2)], [y0 + 0.2, y0 + 4.6], color=INK, lw=1.5, ls=":", zorder=0.5)
+        _label(ax, at(2), y0 + 0.0, "2 s", size=SMALL)
+    return fig
+
+
+def draw_training_state() -> Figure:
+    """Everything a checkpoint must hold for a resume that continues bit for bit (chapter 6)."""
+    fig, ax = _canvas(8.4)
+    parts = [
+        "weights",
+        "optimizer",
+        "LR schedule",
+        "grad scaler",
+        "RNG, every rank",
+        "data position",
+    ]
+    for i, text in enumerate(parts):
+        y = 6.9 - i * 1.3
+        _box(ax, 0.2, y, 5.2, 1.0, text, SKY)
+        ax.plot([5.4, 6.4], [y + 0.5, 4.1], color=INK, linewidth=2)
+    _arrow(ax, (6.4, 4.1), (7.05, 4.1))
+    _box(ax, 7.1, 3.35, 3.4, 1.5, "checkpoint\nstep N", ORANGE, size=BIG)
+    _arrow(ax, (10.6, 4.1), (11.5, 4.1))
+    _box(ax, 11.6, 2.9, 4.2, 2.4, "resume:\nsame batches,\nsame numbers", GREEN)
+    _label(ax, 13.7, 1.6, "miss one:\na different run", size=SMALL, color=VERMILLION)
+    return fig
+
+
+def draw_collective_order() -> Figure:
+    """Collectives are matched by their position in each rank's sequence of calls: ranks
+    that draw different datasets pair different calls (chapter 7)."""
+    fig, ax = _canvas(11.6)
+    panels = [
+        (6.0, "each rank draws its own dataset", [["seg", "seg", "det"], ["det", "seg", "seg"]]),
+        (0.2, "the same dataset on every rank", [["seg", "det", "seg"], ["seg", "det", "seg"]]),
+    ]
+    w, h = 3.3, 1.0
+    for y0, title, calls in panels:
+        _label(ax, 8.0, y0 + 4.85, title, weight="bold", size=BIG)
+        for r, row in enumerate(calls):
+            y = y0 + 3.1 - r * 2.6
+            _label(ax, 0.2, y + h / 2, f"rank {r}", ha="left")
+            for i, name in enumerate(row):
+                fill = ORANGE if name == "seg" else PURPLE
+                _box(ax, 2.8 + i * 4.4, y, w, h, f"#{i} {name}", fill)
+        for i in range(3):
+            same = calls[0][i] == calls[1][i]
+            x = 2.8 + i * 4.4 + w / 2
+            ax.plot(
+                [x, x],
+                [y0 + 3.1, y0 + 0.5 + h],
+                color=GREEN if same else VERMILLION,
+                linewidth=3,
+                linestyle="-" if same else "--",
+            )
+            _label(ax, x + 0.25, y0 + 2.05, "ok" if same else "mismatch", ha="left", size=SMALL)
+    return fig
+
+
+def draw_live_recovery() -> Figure:
+    """torchft: one replica group dies, the others keep stepping, and its replacement copies
+    the weights from a live peer and rejoins (chapter 12)."""
+    fig, ax = _canvas(8.0)
+    x0, per_step, h = 3.0, 0.52, 1.0
+
+    def at(step: float) -> float:
+        return x0 + (step - 1) * per_step
+
+    lanes = {"group 0": 5.6, "group 1": 3.6, "group 2": 1.6}
+    for name, y in lanes.items():
+        _label(ax, 0.2, y + h / 2, name, ha="left", weight="bold")
+        if name == "group 1":
+            _box(ax, at(1), y, at(8) - at(1), h, "train", SKY)
+            _box(ax, at(8), y, 1.2, h, "kill", VERMILLION, size=SMALL, bold=True)
+            _box(ax, at(8) + 1.3, y, at(16) - at(8) - 1.3, h, "heal", ORANGE)
+            _box(ax, at(16), y, at(25) - at(16), h, "train", SKY)
+        else:
+            _box(ax, at(1), y, at(25) - at(1), h, "train, every step", SKY)
+    _arrow(ax, (at(14), lanes["group 0"]), (at(14), lanes["group 1"] + h))
+    _label(ax, at(14) + 0.2, 5.05, "weights", ha="left", size=SMALL)
+    for step in (1, 8, 16, 24):
+        _label(ax, at(step) + per_step / 2, 7.3, f"{step}", size=SMALL)
+    _label(ax, 0.2, 7.3, "step", ha="left", size=SMALL)
+    _label(ax, 8.0, 0.8, "steps 8-15: a quorum of two groups, no stop", size=SMALL)
+    return fig
+
+
 @dataclass(frozen=True)
 class Diagram:
     """One diagram: the file name it is saved under (``<name>.svg``), the chapter it belongs
@@ -291,11 +434,16 @@ class Diagram:
 
 
 DIAGRAMS: tuple[Diagram, ...] = (
+    Diagram("ch01_collectives", 1, draw_collectives),
     Diagram("ch02_ddp_overlap", 2, draw_ddp_overlap),
+    Diagram("ch04_rank0_save", 4, draw_rank0_save),
     Diagram("ch05_atomic_save", 5, draw_atomic_save),
+    Diagram("ch06_training_state", 6, draw_training_state),
+    Diagram("ch07_collective_order", 7, draw_collective_order),
     Diagram("ch08_dcp_commit", 8, draw_dcp_commit),
     Diagram("ch09_async_staging", 9, draw_async_staging),
     Diagram("ch10_torchrun_restarts", 10, draw_torchrun_restarts),
+    Diagram("ch12_live_recovery", 12, draw_live_recovery),
 )
 
 DEFAULT_OUT = Path("book") / "figures" / "diagrams"
