@@ -11,6 +11,9 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.patches import FancyBboxPatch
 
 from refimpl.demos import diagrams
 
@@ -53,6 +56,42 @@ def test_the_cli_writes_every_diagram(tmp_path: Path, capsys: pytest.CaptureFixt
         f"{d.name}.svg" for d in diagrams.DIAGRAMS
     )
     assert len(capsys.readouterr().out.splitlines()) == len(diagrams.DIAGRAMS)
+
+
+def _crowded_text(fig: Figure) -> list[str]:
+    """Texts that leave the figure, overflow the box they sit in, or overlap another text."""
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    ax = fig.axes[0]
+    boxes = [p.get_window_extent(renderer) for p in ax.patches if isinstance(p, FancyBboxPatch)]
+    texts = [(t.get_text(), t.get_window_extent(renderer)) for t in ax.texts if t.get_text()]
+    found = []
+    for text, tb in texts:
+        if tb.x0 < 0 or tb.y0 < 0 or tb.x1 > fig.bbox.width or tb.y1 > fig.bbox.height:
+            found.append(f"{text!r} leaves the figure")
+        cx, cy = (tb.x0 + tb.x1) / 2, (tb.y0 + tb.y1) / 2
+        for bb in boxes:
+            inside = tb.x0 >= bb.x0 + 2 and tb.x1 <= bb.x1 - 2 and bb.y0 <= tb.y0 <= tb.y1 <= bb.y1
+            if bb.contains(cx, cy) and not inside:
+                found.append(f"{text!r} overflows its box")
+    found += [
+        f"{a!r} overlaps {b!r}"
+        for i, (a, ab) in enumerate(texts)
+        for b, bb in texts[i + 1 :]
+        if ab.overlaps(bb)
+    ]
+    return found
+
+
+@pytest.mark.parametrize("diagram", diagrams.DIAGRAMS, ids=lambda d: d.name)
+def test_no_text_overflows_its_box_or_the_figure(diagram: diagrams.Diagram) -> None:
+    """The type is large enough for a phone only if the layout still holds it."""
+    assert _crowded_text(diagram.draw()) == []
+
+
+def test_the_crowding_check_catches_an_overflow() -> None:
+    fig = diagrams.draw_atomic_save()
+    fig.axes[0].texts[-1].set_fontsize(40)  # the footnote, now wider than the figure
+    assert any("leaves the figure" in f for f in _crowded_text(fig))
 
 
 _FIGURE = re.compile(

@@ -53,7 +53,7 @@ INK = "#111111"
 BIG = 18
 TEXT = 16
 SMALL = 14
-WIDTH_IN = 8.0  # 16 drawing units across: one unit is half an inch
+WIDTH_IN = 6.8  # 16 units across; type this large stays legible at 420 px
 UNITS = 16.0
 
 
@@ -161,11 +161,11 @@ def draw_ddp_overlap() -> Figure:
     _box(ax, 3.2, lanes["buckets"], 4.1, h, "bucket 0", ORANGE)
     _box(ax, 7.4, lanes["buckets"], 4.1, h, "bucket 1", ORANGE)
     _box(ax, 7.4, lanes["all-reduce"], 3.9, h, "all-reduce 0", BLUE, color="white", size=SMALL)
-    _box(ax, 11.6, lanes["all-reduce"], 2.7, h, "all-reduce 1", BLUE, color="white", size=SMALL)
+    _box(ax, 11.6, lanes["all-reduce"], 2.95, h, "all-reduce 1", BLUE, color="white", size=SMALL)
     _arrow(ax, (7.0, lanes["buckets"]), (7.6, lanes["all-reduce"] + h))
     _arrow(ax, (11.2, lanes["buckets"]), (11.8, lanes["all-reduce"] + h))
-    _box(ax, 11.6, lanes["backward"], 2.7, h, "wait", GREY)
-    _box(ax, 14.45, lanes["backward"], 1.45, h, "step", GREEN)
+    _box(ax, 11.6, lanes["backward"], 2.95, h, "wait", GREY)
+    _box(ax, 14.65, lanes["backward"], 1.25, h, "step", GREEN, size=SMALL)
     _arrow(ax, (7.4, 0.75), (11.5, 0.75), both=True)
     _label(ax, 9.45, 0.3, "overlaps backward", size=SMALL)
     _arrow(ax, (12.6, 0.55), (15.8, 0.55))
@@ -177,7 +177,7 @@ def draw_atomic_save() -> Figure:
     """The atomic save's four steps and what a crash after each leaves (chapter 5)."""
     fig, ax = _canvas(9.6)
     _label(ax, 4.0, 9.0, "step", weight="bold", size=BIG)
-    _label(ax, 12.35, 9.0, "a crash after it leaves", weight="bold", size=BIG)
+    _label(ax, 12.35, 9.0, "left by a crash", weight="bold", size=BIG)
     steps = [
         ("1  write temp file", "old checkpoint", ORANGE),
         ("2  fsync(temp)", "old checkpoint", ORANGE),
@@ -213,7 +213,7 @@ def draw_dcp_commit() -> Figure:
     _box(ax, r0, rows[3], w, h, "digest own files", SKY)
     _box(ax, r1, rows[3], w, h, "digest own files", SKY)
     _arrow(ax, (r1, rows[3] + h / 2), (r0 + w, rows[3] + h / 2))
-    _box(ax, r0, rows[4], w, h, "MANIFEST,\nCOMMITTED", GREEN)
+    _box(ax, r0, rows[4], w, h, "MANIFEST,\nCOMMITTED", GREEN, size=SMALL)
     _box(ax, r0, rows[5], w, h, "rename, fsync", GREEN, bold=True)
     hidden = [".step_N.tmp/", "+ shards", "+ .metadata", "", "+ manifest"]
     for y, text in zip(rows[:5], hidden, strict=True):
@@ -235,19 +235,19 @@ def draw_async_staging() -> Figure:
     train, back, h = 4.6, 1.6, 1.2
     _label(ax, 0.15, train + h + 1.2, "training", ha="left", weight="bold")
     _label(ax, 0.15, back + h + 0.55, "background", ha="left", weight="bold")
-    for x in (0.2, 5.55, 6.95, 8.35, 13.35, 14.7):
+    for x in (0.2, 5.55, 6.95, 8.35, 13.5):
         _box(ax, x, train, 1.25, h, "step", "white")
     _box(ax, 1.6, train, 3.8, h, "copy", ORANGE, bold=True)
     _box(ax, 9.75, train, 1.9, h, "wait", VERMILLION, bold=True)
-    _box(ax, 11.8, train, 1.4, h, "copy", ORANGE, bold=True)
+    _box(ax, 11.75, train, 1.6, h, "copy", ORANGE, bold=True)
     _label(ax, 1.6, train + h + 0.5, "save()", size=SMALL, ha="left", style="italic")
     _label(ax, 9.75, train + h + 0.5, "save()", size=SMALL, ha="left", style="italic")
     _arrow(ax, (5.4, train), (5.8, back + h))
     _box(ax, 5.6, back, 4.0, h, "write + fsync", SKY)
     _box(ax, 9.7, back, 2.0, h, "commit", GREEN, size=SMALL)
     _arrow(ax, (11.5, back + h), (11.7, train))
-    _arrow(ax, (13.1, train), (13.5, back + h))
-    _box(ax, 13.35, back, 2.55, h, "write …", SKY)
+    _arrow(ax, (13.2, train), (13.6, back + h))
+    _box(ax, 13.5, back, 2.4, h, "write …", SKY)
     _label(ax, 3.55, 0.85, "blocked: the copy only", size=SMALL)
     _label(ax, 10.75, 0.85, "one save in flight", size=SMALL)
     _arrow(ax, (1.6, 0.35), (5.5, 0.35), both=True)
@@ -319,8 +319,8 @@ def draw_rank0_save() -> Figure:
         return t0 + seconds * per_s
 
     panels = [
-        (6.3, "next collective, 2 s timeout", False),
-        (0.2, "barrier_safe, 10 s budget", True),
+        (6.4, "next collective, 2 s timeout", False),
+        (0.4, "barrier_safe, 10 s budget", True),
     ]
     for y0, title, safe in panels:
         _label(ax, 8.0, y0 + 5.35, title, weight="bold", size=BIG)
@@ -336,8 +336,8 @@ def draw_rank0_save() -> Figure:
                 _box(ax, at(2) + 0.1, y, 2.7, h, "timeout", VERMILLION, bold=True)
             if safe:
                 _box(ax, at(3.5) + 0.1, y, 2.5, h, "train on", GREEN)
-        ax.plot([at(2), at(2)], [y0 + 0.2, y0 + 4.6], color=INK, lw=1.5, ls=":", zorder=0.5)
-        _label(ax, at(2), y0 + 0.0, "2 s", size=SMALL)
+        ax.plot([at(2), at(2)], [y0 + 0.45, y0 + 4.6], color=INK, lw=1.5, ls=":", zorder=0.5)
+        _label(ax, at(2), y0 + 0.05, "2 s", size=SMALL)
     return fig
 
 
