@@ -24,6 +24,8 @@ with the chapters that use them.
   I/O errors, flipped bits and object-store renames
 - `refimpl.demos.resume`: chapter 6's lost/repeated counts and resume-equivalence runs;
   `refimpl.demos.loader_state`: what a `DataLoader` holds (position, worker seeds, streams)
+- `refimpl.demos.diagrams`: the conceptual diagrams under ``book/figures/diagrams``, one
+  function per picture (``python -m refimpl.demos.diagrams`` regenerates them)
 - `refimpl.demos.slider_figure`: figures with sliders drawn in advance for a grid of values,
   linked in the browser, so they work in the HTML book as well as in JupyterLab
 """
