@@ -196,9 +196,21 @@ def test_all_is_pinned_and_every_name_resolves(module: str) -> None:
     assert set(names) <= set(star)
 
 
+def _private_submodule(package: str, name: str) -> bool:
+    """Whether ``refimpl.PACKAGE.NAME`` is a private module of a package (not a name in it)."""
+    folder = ROOT / "src" / "refimpl" / package
+    return name.startswith("_") and ((folder / f"{name}.py").is_file() or (folder / name).is_dir())
+
+
 def _library_names_used(text: str) -> set[tuple[str, str]]:
-    """(module, name) for every ``refimpl.MODULE.NAME`` and ``from refimpl.MODULE import NAME``."""
-    used = {(m, n) for m, n in re.findall(r"\brefimpl\.(\w+)\.(\w+)", text)}
+    """(module, name) for every ``refimpl.MODULE.NAME`` and ``from refimpl.MODULE import NAME``;
+    a package's private submodule (``refimpl.sharded._commit``) counts as private, as a flat
+    private module (``refimpl._pack``) does."""
+    used = {
+        (m, n)
+        for m, n in re.findall(r"\brefimpl\.(\w+)\.(\w+)", text)
+        if not _private_submodule(m, n)
+    }
     code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith(("%", "!")))
     try:
         tree = ast.parse(code)
@@ -206,7 +218,12 @@ def _library_names_used(text: str) -> set[tuple[str, str]]:
         return used
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("refimpl."):
-            used |= {(node.module.split(".")[1], a.name) for a in node.names}
+            parts = node.module.split(".")
+            if len(parts) > 2 and _private_submodule(parts[1], parts[2]):
+                continue
+            used |= {
+                (parts[1], a.name) for a in node.names if not _private_submodule(parts[1], a.name)
+            }
     return used
 
 
