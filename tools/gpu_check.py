@@ -140,9 +140,8 @@ def train_runs(work: Path) -> list[dict[str, object]]:
 
 
 SAVE_WORKER = r"""
-import json, sys, time, torch, torch.distributed as dist
+import json, statistics, sys, time, traceback, torch, torch.distributed as dist
 from refimpl.launch import init_from_env
-from refimpl.sharded import save_sharded, async_save_sharded
 init_from_env()
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Linear(8192, 8192) for _ in range(4)]).cuda()
@@ -153,24 +152,54 @@ ck = sys.argv[1]
 def t(fn):
     torch.cuda.synchronize(); s = time.perf_counter(); r = fn(); torch.cuda.synchronize()
     return time.perf_counter() - s, r
-res["sync_first_s"] = t(lambda: save_sharded(ck + "/sync", model, opt, 1))[0]
-res["sync_s"] = t(lambda: save_sharded(ck + "/sync", model, opt, 2))[0]
-h1 = async_save_sharded(ck + "/async", model, opt, 1)
-h1.result()
-blocked, h2 = t(lambda: async_save_sharded(ck + "/async", model, opt, 2))
-s = time.perf_counter(); h2.result(); res["async_blocked_s"] = blocked
-res["async_rest_s"] = time.perf_counter() - s
-from refimpl.checkpoint import AsyncCheckpointer, save_checkpoint
-sd = {"model": model.state_dict()}
-res["file_sync_s"] = t(lambda: save_checkpoint(ck + "/file", sd, 1))[0]
-ac = AsyncCheckpointer(ck + "/file_async")
-ac.save(sd, 1)
-ac.wait()
-blocked, _ = t(lambda: ac.save(sd, 2))
-s = time.perf_counter(); ac.wait(); res["file_async_blocked_s"] = blocked
-res["file_async_rest_s"] = time.perf_counter() - s
-res["file_async_pinned"] = ac.pinned_memory if hasattr(ac, "pinned_memory") else None
-ac.close()
+def section(name, fn):  # one failing part (torch 2.11's DCP) must not hide the others
+    try:
+        fn()
+    except Exception as exc:
+        res[name + "_error"] = "".join(traceback.format_exception_only(exc)).strip()[-400:]
+def pinned_floor():
+    bufs = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in model.parameters()]
+    def copy():
+        for b, p in zip(bufs, model.parameters()):
+            b.copy_(p.detach(), non_blocking=True)
+    copy()
+    res["pinned_d2h_s"] = statistics.median(t(copy)[0] for _ in range(5))
+def sharded():
+    from refimpl.sharded import save_sharded, async_save_sharded
+    res["sync_first_s"] = t(lambda: save_sharded(ck + "/sync", model, opt, 1))[0]
+    res["sync_s"] = t(lambda: save_sharded(ck + "/sync", model, opt, 2))[0]
+    h1 = async_save_sharded(ck + "/async", model, opt, 1)
+    h1.result()
+    blocked, h2 = t(lambda: async_save_sharded(ck + "/async", model, opt, 2))
+    s = time.perf_counter(); h2.result(); res["async_blocked_s"] = blocked
+    res["async_rest_s"] = time.perf_counter() - s
+def files():
+    from refimpl.checkpoint import AsyncCheckpointer, load_checkpoint, save_checkpoint
+    sd = {"model": model.state_dict()}
+    res["file_sync_s"] = t(lambda: save_checkpoint(ck + "/file", sd, 1))[0]
+    ac = AsyncCheckpointer(ck + "/file_async", keep_last=2)
+    ac.save(sd, 1)
+    ac.wait()
+    blocked, rest = [], []
+    for step in range(2, 7):  # buffers reused from the second save on
+        want = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        b, path = t(lambda: ac.save(sd, step))
+        with torch.no_grad():  # training changes the weights right after the call returns
+            for p in model.parameters():
+                p.add_(1.0)
+        s = time.perf_counter(); ac.wait(); rest.append(time.perf_counter() - s)
+        blocked.append(b)
+        saved = load_checkpoint(path, keys=["model"])["model"]
+        res.setdefault("file_async_snapshot_equal", True)
+        res["file_async_snapshot_equal"] &= all(torch.equal(saved[k], want[k]) for k in want)
+    res["file_async_blocked_s"] = statistics.median(blocked)
+    res["file_async_blocked_all_s"] = blocked
+    res["file_async_rest_s"] = statistics.median(rest)
+    res["file_async_pinned"] = getattr(ac, "pinned_memory", None)
+    ac.close()
+section("pinned_floor", pinned_floor)
+section("files", files)
+section("sharded", sharded)
 print("RESULT " + json.dumps(res), flush=True)
 dist.destroy_process_group()
 """
@@ -202,6 +231,7 @@ def save_times(work: Path) -> dict[str, object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--skip-train", action="store_true", help="only the copy and save parts")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA GPU here; run it on a machine with one")
@@ -214,7 +244,8 @@ def main() -> None:
     print(result, flush=True)
     result["copy"] = copy_bandwidth()
     with tempfile.TemporaryDirectory() as tmp:
-        result["train"] = train_runs(Path(tmp))
+        if not args.skip_train:
+            result["train"] = train_runs(Path(tmp))
         result["save"] = save_times(Path(tmp))
     (args.out / "gpu_check.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out / "gpu_check_logs.txt").write_text("\n".join(LOGS) + "\n")
