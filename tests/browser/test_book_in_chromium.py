@@ -253,6 +253,40 @@ def test_a_code_block_too_wide_for_a_phone_scrolls_inside_itself(browser, base_u
     page.close()
 
 
+# Every search box laid out on the page, on screen or not (the sidebar's counts where it is
+# scrolled away or off-canvas on a phone: a reader who opens it sees it).
+SEARCH_BOXES_JS = """() => Array.from(document.querySelectorAll(
+    '.search-button__button, form.bd-search, input[type=search]'))
+  .filter(el => {
+    const r = el.getBoundingClientRect();
+    return r.width > 0 && r.height > 0 && getComputedStyle(el).visibility !== 'hidden';
+  }).map(el => el.className)"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("doc", _toc_files())
+def test_one_search_box_and_each_chapter_offers_its_notebook(
+    browser, base_url: str, doc: str
+) -> None:  # type: ignore[no-untyped-def]
+    for width in (1400, PHONE_WIDTH):
+        page = browser.new_page(viewport={"width": width, "height": 900})
+        page.goto(f"{base_url}/{doc}.html", wait_until="load")
+        boxes = page.evaluate(SEARCH_BOXES_JS)
+        assert len(boxes) == 1, f"{doc} at {width} px: {len(boxes)} search boxes: {boxes}"
+        if (ROOT / f"{doc}.ipynb").exists():
+            # The header's download button offers the chapter's notebook, as it is committed.
+            name = Path(doc).name + ".ipynb"
+            button = page.locator(".article-header-buttons .dropdown-download-buttons > button")
+            assert button.is_visible(), f"{doc} at {width} px: no download button"
+            link = page.locator(f".dropdown-download-buttons a[href$='/{name}']")
+            assert link.count() == 1, f"{doc}: the download menu does not offer {name}"
+            href = link.evaluate("a => a.href")
+            assert _resolves(href), f"{doc}: the download link {href} leads nowhere"
+            target = HTML / urllib.parse.urlsplit(href).path.lstrip("/")
+            assert nbformat.read(target, as_version=4).cells, f"{doc}: {target} is no notebook"
+        page.close()
+
+
 # The pictures a widget shows now (a widget may hold one per slider value and show one).
 SHOWN_PICTURES_JS = """() => Array.from(document.querySelectorAll('article .widget-image'))
   .filter(img => img.offsetParent !== null).map(img => img.src)"""
