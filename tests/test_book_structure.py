@@ -369,6 +369,30 @@ def test_no_printed_line_is_wider_than_100_columns(path: Path) -> None:
     assert not wide, f"{path.name}: {len(wide)} lines: {wide[:10]}"
 
 
+# "section 4.6" in prose, and a bare "(4.6)" or "as in 4.4" standing for a section; {ref}`...`
+# spans (where the linked mentions live) are cut out before searching.
+_SECTION_MENTION = re.compile(r"\b[Ss]ections? \d+\.\d+\b|\(\d\.\d\)|\bas in \d\.\d\b")
+_REF = re.compile(r"\{ref\}`[^`]*<(sec-\d+-\d+)>`")
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem[:2])
+def test_section_mentions_are_links_to_that_section(path: Path) -> None:
+    """A reader who meets "section 5.7" can click it: each mention is a {ref} to the label
+    (sec-5-7)= that sits right above the heading "## 5.7 ...", in the same chapter."""
+    text = "\n".join(
+        c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "markdown"
+    )
+    labels = dict(re.findall(r"^\((sec-\d+-\d+)\)=\n## (\d+\.\d+) ", text, re.MULTILINE))
+    for label, number in labels.items():
+        assert label == f"sec-{number.replace('.', '-')}", f"{path.name}: {label} on {number}"
+    refs = _REF.findall(text)
+    missing = sorted(set(refs) - set(labels))
+    assert not missing, f"{path.name}: links to sections it has no label for: {missing}"
+    prose = re.sub(r"\{ref\}`[^`]*`", "", text)
+    unlinked = [prose[max(0, m.start() - 40) : m.end()] for m in _SECTION_MENTION.finditer(prose)]
+    assert not unlinked, f"{path.name}: section mentions that are not links: {unlinked}"
+
+
 def test_the_test_order_table_names_only_files_that_exist() -> None:
     """tests/conftest.py hands files to the workers longest first from a table of seconds; an
     entry for a renamed or deleted file would silently stop doing its job."""

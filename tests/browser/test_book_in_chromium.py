@@ -36,6 +36,17 @@ def _toc_files() -> list[str]:
     return files
 
 
+def _all_pages() -> list[str]:
+    """Every page the book builds: the chapters and, under them, their sections (API pages)."""
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    pages, todo = [toc["root"]], [c for part in toc.get("parts", []) for c in part["chapters"]]
+    while todo:
+        entry = todo.pop(0)
+        pages.append(entry["file"])
+        todo[:0] = entry.get("sections", [])
+    return pages
+
+
 def _expected(doc: str) -> tuple[str, int, int]:
     """The page's title, how many figures and how many widgets its source has."""
     nb_path = ROOT / f"{doc}.ipynb"
@@ -167,6 +178,113 @@ def test_page_renders_title_and_figures_without_errors(browser, base_url: str, d
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / f"{doc.replace('/', '__')}.png"), full_page=True)
     page.close()
+
+
+# A phone: the page itself never scrolls sideways (a long inline literal breaks; a table or a
+# code block too wide for the screen scrolls inside its own box), and code blocks keep their
+# lines: each line of code (not of output, which wraps) is one rendered line (no wrap), so
+# indentation stays readable.
+PHONE_JS = """() => {
+  const page = document.scrollingElement;
+  const wrapped = [];
+  const code = Array.from(document.querySelectorAll('article div.highlight pre'))
+    .filter(pre => !pre.closest('div.cell_output, div.output'));
+  for (const pre of code) {
+    const style = getComputedStyle(pre);
+    const lines = pre.textContent.replace(/\\n$/, '').split('\\n').length;
+    const pad = parseFloat(style.paddingTop) + parseFloat(style.paddingBottom);
+    const height = pre.clientHeight - pad;
+    const rows = Math.round(height / parseFloat(style.lineHeight));
+    if (style.whiteSpace !== 'pre' || rows !== lines) {
+      wrapped.push(`${lines} lines shown as ${rows} (white-space ${style.whiteSpace}): `
+        + pre.textContent.slice(0, 40));
+    }
+  }
+  const scrolling = code.filter(pre => pre.scrollWidth > pre.clientWidth + 1).length;
+  return {scrollWidth: page.scrollWidth, clientWidth: page.clientWidth, wrapped, scrolling};
+}"""
+PHONE_WIDTH = 420
+
+
+def _widest_on(page) -> str:  # type: ignore[no-untyped-def]
+    """What sticks out furthest right on the page (for the failure message)."""
+    text: str = page.evaluate(
+        """() => {
+          let worst = null, right = 0;
+          for (const el of document.querySelectorAll('article *')) {
+            const r = el.getBoundingClientRect();
+            if (r.right > right) { right = r.right; worst = el; }
+          }
+          return worst ? `${Math.round(right)} px: <${worst.tagName.toLowerCase()}> `
+            + (worst.textContent || '').slice(0, 60) : '';
+        }"""
+    )
+    return text
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("doc", _all_pages())
+def test_page_fits_a_phone_and_code_blocks_keep_their_lines(
+    browser, base_url: str, doc: str
+) -> None:  # type: ignore[no-untyped-def]
+    page = browser.new_page(viewport={"width": PHONE_WIDTH, "height": 900})
+    page.goto(f"{base_url}/{doc}.html", wait_until="load")
+    phone = page.evaluate(PHONE_JS)
+    assert phone["scrollWidth"] <= phone["clientWidth"], (
+        f"{doc}: at {PHONE_WIDTH} px the page scrolls sideways ({phone['scrollWidth']} px wide "
+        f"in {phone['clientWidth']} px); widest: {_widest_on(page)}"
+    )
+    assert not phone["wrapped"], (
+        f"{doc}: code blocks wrapped at {PHONE_WIDTH} px: {phone['wrapped']}"
+    )
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / f"{doc.replace('/', '__')}__phone.png"))
+    page.close()
+
+
+def test_a_code_block_too_wide_for_a_phone_scrolls_inside_itself(browser, base_url: str) -> None:  # type: ignore[no-untyped-def]
+    """The check above is not vacuous: chapter 2 has code lines wider than a phone, and they
+    scroll inside their block (each still one line) while the page stays put."""
+    page = browser.new_page(viewport={"width": PHONE_WIDTH, "height": 900})
+    page.goto(f"{base_url}/notebooks/02_ddp_from_the_inside.html", wait_until="load")
+    phone = page.evaluate(PHONE_JS)
+    assert phone["scrolling"] > 0, "no code block in chapter 2 is wider than a phone"
+    assert not phone["wrapped"] and phone["scrollWidth"] <= phone["clientWidth"], phone
+    page.close()
+
+
+# Every search box laid out on the page, on screen or not (the sidebar's counts where it is
+# scrolled away or off-canvas on a phone: a reader who opens it sees it).
+SEARCH_BOXES_JS = """() => Array.from(document.querySelectorAll(
+    '.search-button__button, form.bd-search, input[type=search]'))
+  .filter(el => {
+    const r = el.getBoundingClientRect();
+    return r.width > 0 && r.height > 0 && getComputedStyle(el).visibility !== 'hidden';
+  }).map(el => el.className)"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("doc", _toc_files())
+def test_one_search_box_and_each_chapter_offers_its_notebook(
+    browser, base_url: str, doc: str
+) -> None:  # type: ignore[no-untyped-def]
+    for width in (1400, PHONE_WIDTH):
+        page = browser.new_page(viewport={"width": width, "height": 900})
+        page.goto(f"{base_url}/{doc}.html", wait_until="load")
+        boxes = page.evaluate(SEARCH_BOXES_JS)
+        assert len(boxes) == 1, f"{doc} at {width} px: {len(boxes)} search boxes: {boxes}"
+        if (ROOT / f"{doc}.ipynb").exists():
+            # The header's download button offers the chapter's notebook, as it is committed.
+            name = Path(doc).name + ".ipynb"
+            button = page.locator(".article-header-buttons .dropdown-download-buttons > button")
+            assert button.is_visible(), f"{doc} at {width} px: no download button"
+            link = page.locator(f".dropdown-download-buttons a[href$='/{name}']")
+            assert link.count() == 1, f"{doc}: the download menu does not offer {name}"
+            href = link.evaluate("a => a.href")
+            assert _resolves(href), f"{doc}: the download link {href} leads nowhere"
+            target = HTML / urllib.parse.urlsplit(href).path.lstrip("/")
+            assert nbformat.read(target, as_version=4).cells, f"{doc}: {target} is no notebook"
+        page.close()
 
 
 # The pictures a widget shows now (a widget may hold one per slider value and show one).

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -250,6 +251,13 @@ def _cell_text(page: Any, needle: str) -> str:
     return text
 
 
+# A MyST role as raw text: {term}`bucket`, {py:func}`...`, {numref}`...`.
+RAW_ROLE = re.compile(r"\{[a-z][\w:-]*\}`")
+# What the rendered markdown cells show (a rendered cell hides its source editor).
+MARKDOWN_TEXT_JS = f"""() => Array.from(document.querySelectorAll('{VISIBLE} .jp-MarkdownCell'))
+  .map(cell => cell.innerText)"""
+
+
 def _committed_text(notebook: str, needle: str) -> str:
     nb = nbformat.read(ROOT / "notebooks" / notebook, as_version=4)
     cell = next(c for c in nb.cells if c.cell_type == "code" and needle in c.source)
@@ -357,4 +365,47 @@ def test_chapter1_runs_live_interrupt_stops_every_rank_and_shutdown_leaves_no_pr
     while left := [p for p in everything if _alive(p)]:
         assert time.monotonic() < deadline, f"processes left after kernel shutdown: {left}"
         time.sleep(0.2)
+    page.close()
+
+
+@pytest.mark.timeout(300)
+def test_markdown_renders_myst_roles_and_collapses_the_answers(browser: Any, lab: str) -> None:
+    """JupyterLab shows the chapters as the HTML book does (jupyterlab-myst, from
+    requirements-lab.txt): roles render as their text, not as `{term}`bucket`` source, and an
+    exercise's answers sit in a closed block under the questions, opened by a click. Nothing is
+    fetched from outside the machine for it."""
+    nb = nbformat.read(ROOT / "notebooks" / CH3, as_version=4)
+    source = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    roles = set(RAW_ROLE.findall(source))  # {term}`, {py:func}`, ...
+    assert len(roles) > 3, f"chapter 3 has too few kinds of MyST role to check: {roles}"
+    assert "```{admonition} Answers\n:class: dropdown" in source
+    answer = "Any cap at or below the smallest parameter"  # the first line of its first answer
+
+    page = _open(browser, lab, CH3)
+    outside: list[str] = []
+    page.on("request", lambda r: None if r.url.startswith(lab) else outside.append(r.url))
+    page.wait_for_function(  # every markdown cell rendered, the answers' text among them
+        f"""(answer) => {{
+          const cells = Array.from(document.querySelectorAll('{VISIBLE} .jp-MarkdownCell'));
+          return cells.length > 0 && cells.every(c => c.classList.contains('jp-mod-rendered'))
+            && cells.some(c => c.textContent.includes(answer));
+        }}""",
+        arg=answer,
+        timeout=60_000,
+    )
+    shown = page.evaluate(MARKDOWN_TEXT_JS)
+    assert any("Every parameter its own bucket" in t for t in shown), "no rendered markdown"
+    # Unrendered, a role shows as its name in braces before the code span: "{term}bucket".
+    raw = [role[:-1] for text in shown for role in roles if role[:-1] in text]
+    assert not raw, f"{len(raw)} MyST roles show as raw text in JupyterLab, e.g. {raw[:5]}"
+
+    text = page.locator(f"{VISIBLE} .jp-MarkdownCell").get_by_text(answer)
+    assert not text.is_visible(), "the exercises' answers show in full under the questions"
+    summary = page.locator(f"{VISIBLE} .jp-MarkdownCell details summary", has_text="Answers")
+    summary.first.scroll_into_view_if_needed()
+    summary.first.click()
+    text.wait_for(state="visible", timeout=10_000)  # collapsed, not missing: a click opens it
+    assert not outside, f"JupyterLab fetched from outside the machine: {outside[:5]}"
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / "lab_ch3_answers_open.png"))
     page.close()
