@@ -37,3 +37,23 @@ def hammer_one_file(path: str, rounds: int) -> int:
     for i in range(rounds):
         atomic_save({"rank": rank, "i": i, "w": torch.full((50_000,), float(rank))}, path)
     return rounds
+
+
+def evaluate_inside_main_process_first(bare: bool) -> str:
+    """One DDP training step of a model with buffers (BatchNorm), then rank 0 alone
+    evaluates inside `main_process_first`, through the DDP wrapper or (``bare``) through
+    `refimpl.state.unwrap_model`. DDP's first forward after a training step broadcasts the
+    buffers: a collective only rank 0 calls."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from refimpl.state import unwrap_model
+
+    torch.manual_seed(0)
+    ddp = DDP(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))
+    ddp(torch.randn(8, 4)).sum().backward()
+    with main_process_first(timeout_s=60) as is_main:
+        if is_main:
+            with torch.no_grad():
+                (unwrap_model(ddp) if bare else ddp)(torch.randn(8, 4))
+    return "evaluated"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 from typing import Any
 
 import torch
@@ -11,7 +12,7 @@ import torch.distributed as dist
 from refimpl import _train_files
 from refimpl._train_schedule import make_scheduler
 from refimpl.checkpoint import CheckpointError, save_checkpoint
-from refimpl.data import ResumableSampler
+from refimpl.data import RandomOffsets, ResumableSampler
 from refimpl.trainstate import (
     CheckpointMismatch,
     capture_every_rank,
@@ -114,3 +115,72 @@ def resume_or_error(ckpt_dir: str) -> str:
     except CheckpointError as exc:
         return f"CheckpointError: {exc}"
     return f"step {resumed.step}" if resumed is not None else "None"
+
+
+def accumulate(
+    ckpt_dir: str,
+    stop_at: tuple[int, int] | None = None,
+    resume: bool = False,
+    save_micro: bool = True,
+    steps: int = 3,
+    accum: int = 4,
+) -> dict[str, Any] | None:
+    """fp16-style training with a GradScaler and gradient accumulation (DDP ``no_sync`` on
+    all but the last micro-batch), batches from `RandomOffsets`. ``stop_at=(s, m)``: capture
+    every rank before micro-batch m of step s, rank 0 saves, return None. ``resume``: start
+    from the newest checkpoint. The loss of step 0's last micro-batch is made infinite, so the
+    scaler skips that step and halves its scale: a resume that loses it shows 65536 again.
+    ``save_micro=False`` captures without the micro-step (and the gradients): the trap."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.Dropout(0.25), torch.nn.Linear(8, 1)
+    )
+    net: torch.nn.Module = model
+    if world > 1:
+        net = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g)
+    offsets = RandomOffsets(64, 4, seed=0, rank=rank, world_size=world)
+    torch.manual_seed(10 + rank)  # this rank's dropout stream
+    step, micro = 0, 0
+    if resume:
+        resumed = resume_every_rank(ckpt_dir, net, opt, scaler=scaler)
+        assert resumed is not None
+        step, micro = resumed.step, resumed.micro_step
+        offsets.load_state_dict(resumed.extra["offsets"])
+    while step < steps:
+        while micro < accum:
+            if (step, micro) == stop_at:
+                state = capture_every_rank(
+                    net,
+                    opt,
+                    scaler=scaler,
+                    step=step,
+                    micro_step=micro if save_micro else 0,
+                    extra={"offsets": offsets.state_dict()},
+                )
+                if state is not None:
+                    save_checkpoint(ckpt_dir, state, step * accum + micro)
+                if world > 1:
+                    dist.barrier()
+                return None
+            sync = world == 1 or micro == accum - 1
+            with contextlib.nullcontext() if sync else net.no_sync():  # type: ignore[operator]
+                idx = offsets.next()
+                loss = torch.nn.functional.mse_loss(net(x[idx]), y[idx]) / accum
+                if step == 0 and micro == accum - 1:
+                    loss = loss * float("inf")
+                scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
+            micro += 1
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        step, micro = step + 1, 0
+    return {
+        "weights": [p.detach().clone() for p in model.parameters()],
+        "scale": scaler.get_scale(),
+    }

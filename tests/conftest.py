@@ -35,6 +35,7 @@ _SECONDS = {
     "notebooks/11_porting_an_existing_script.ipynb": 84,
     "tests/test_launch.py": 95,
     "tests/test_chaos.py": 71,
+    "tests/test_preemption.py": 70,
     "notebooks/04_barriers_rank0_saving.ipynb": 48,
     "tests/test_train_sharded.py": 45,
     "tests/test_two_writers.py": 43,

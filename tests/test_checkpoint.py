@@ -773,3 +773,33 @@ def test_load_of_some_keys_unpickles_only_their_ranges(tmp_path: Path, monkeypat
     assert loaded == {"meta": {"v": 3}, "model": loaded["model"]}
     assert torch.equal(loaded["model"]["w"], torch.ones(1000))
     assert read == [(ranges[k]["offset"], ranges[k]["bytes"]) for k in ("meta", "model")]
+
+
+def test_load_latest_keys_reads_the_config_before_the_model_is_built(
+    tmp_path: Path,
+    monkeypatch,  # type: ignore[no-untyped-def]
+) -> None:
+    """``load_latest(keys=["config"])``: the newest step's config, and only its range of the
+    pack unpickled. A newest step without the key raises naming the keys it has, rather than
+    falling back to an older step that has one."""
+    import refimpl.checkpoint as ck
+
+    save_checkpoint(tmp_path, {"config": {"n_layer": 2}, "model": {"w": torch.ones(9)}}, 1)
+    step_dir = save_checkpoint(
+        tmp_path, {"config": {"n_layer": 4}, "model": {"w": torch.ones(9)}}, 2
+    )
+    read: list[int] = []
+    real = ck._weights_only
+
+    def spy(source, path, map_location):  # type: ignore[no-untyped-def]
+        read.append(source._offset)
+        return real(source, path, map_location)
+
+    monkeypatch.setattr(ck, "_weights_only", spy)
+    assert load_latest(tmp_path, keys=["config"]) == (2, {"config": {"n_layer": 4}})
+    assert read == [verify_checkpoint(step_dir)["keys"]["config"]["offset"]]
+    save_checkpoint(tmp_path, {"model": {"w": torch.ones(9)}}, 3)
+    with pytest.raises(
+        CheckpointError, match=r"step_00000003: no key\(s\) \['config'\]; it has \['model'\]"
+    ):
+        load_latest(tmp_path, keys=["config"])

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from refimpl.data import ResumableBatches, ResumableSampler, sample_seed
+from refimpl.data import RandomOffsets, ResumableBatches, ResumableSampler, sample_seed
 from refimpl.demos.resume import count_lost_repeated, resumable_draws
 
 
@@ -275,3 +275,87 @@ def test_sample_seed_is_a_fixed_function_of_seed_epoch_and_index() -> None:
         for x in sorted(seeds)[-2:] * 2
     ]
     assert draws[0] == draws[2] and draws[0] != draws[1]
+
+
+# RandomOffsets: nanoGPT's with-replacement offsets from a counter, resumable bit for bit.
+
+
+def _draw(offsets: RandomOffsets, n: int) -> list[list[int]]:
+    return [offsets.next().tolist() for _ in range(n)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    world=st.integers(1, 4),
+    high=st.integers(1, 10**12),
+    batch=st.integers(1, 8),
+    before=st.integers(0, 12),
+    prefetched=st.integers(0, 1),
+)
+def test_random_offsets_resume_is_bit_identical_at_the_same_world_size(
+    world: int, high: int, batch: int, before: int, prefetched: int
+) -> None:
+    """Every rank draws `before` batches, saves (one batch prefetched or not), and a fresh
+    RandomOffsets that loads the state draws exactly what the uninterrupted one draws next."""
+    prefetched = min(prefetched, before)
+    for rank in range(world):
+        a = RandomOffsets(high, batch, seed=7, rank=rank, world_size=world)
+        _draw(a, before)
+        state = a.state_dict(prefetched=prefetched)
+        rest = _draw(a, 5)
+        b = RandomOffsets(high, batch, seed=7, rank=rank, world_size=world)
+        b.load_state_dict(dict(state))
+        again = _draw(b, 5 + prefetched)
+        if prefetched:  # the batch drawn ahead comes again: global (before - 1) * world + rank
+            assert again[0] == b.offsets((before - 1) * world + rank).tolist()
+        assert again[prefetched:] == rest
+        assert all(0 <= o < high for row in again for o in row)
+
+
+def test_random_offsets_batch_is_a_function_of_seed_rank_and_count() -> None:
+    """Batch k on rank r: the same in any process and after any history; ranks differ."""
+    first = [_draw(RandomOffsets(10**9, 4, seed=1, rank=r, world_size=2), 3) for r in range(2)]
+    again = [_draw(RandomOffsets(10**9, 4, seed=1, rank=r, world_size=2), 3) for r in range(2)]
+    assert first == again and first[0] != first[1]
+    other_seed = _draw(RandomOffsets(10**9, 4, seed=2, rank=0, world_size=2), 3)
+    assert other_seed != first[0]
+
+
+def test_random_offsets_are_uniform_and_drawn_with_replacement() -> None:
+    """20 000 offsets in [0, 10): each value about 2000 times (chi-square well under the
+    0.1% critical value for 9 degrees of freedom, 27.9), and repeats inside one batch of 16
+    from 10 values, which sampling without replacement could never give."""
+    s = RandomOffsets(10, 16, seed=0, rank=1, world_size=3)
+    drawn = torch.cat([s.next() for _ in range(1250)])
+    assert drawn.dtype == torch.int64 and int(drawn.min()) == 0 and int(drawn.max()) == 9
+    counts = torch.bincount(drawn, minlength=10).double()
+    chi2 = float(((counts - 2000) ** 2 / 2000).sum())
+    assert chi2 < 27.9, counts
+    assert len(set(s.next().tolist())) < 16  # pigeonhole: 16 draws from 10 values repeat
+
+
+def test_random_offsets_need_no_memory_per_offset() -> None:
+    """high = 2**62 offsets: a permutation of them would need 2**65 bytes; RandomOffsets
+    draws a batch and its state is one counter."""
+    s = RandomOffsets(2**62, 3, seed=0, rank=0, world_size=1)
+    batch = s.next()
+    assert batch.shape == (3,) and int(batch.max()) < 2**62
+    assert s.state_dict()["position"] == 1
+
+
+def test_random_offsets_refuse_another_world_size_unless_told() -> None:
+    """A state from 2 ranks loaded at 3: refused, naming both world sizes; allowed, the
+    3 ranks continue the global stream where the 2 left it, no global batch drawn twice."""
+    two = [RandomOffsets(1000, 4, seed=5, rank=r, world_size=2) for r in range(2)]
+    for s in two:
+        _draw(s, 3)  # global batches 0..5
+    state = two[0].state_dict()
+    three = RandomOffsets(1000, 4, seed=5, rank=2, world_size=3)
+    with pytest.raises(ValueError, match=r"world size 2, this run has world size 3"):
+        three.load_state_dict(state)
+    three.load_state_dict(state, allow_world_size_change=True)
+    assert three.next().tolist() == three.offsets(8).tolist()  # 6, 7, 8: rank 2 takes 8
+    with pytest.raises(ValueError, match="seed 5, this RandomOffsets 6"):
+        RandomOffsets(1000, 4, seed=6, rank=0, world_size=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="outside world_size"):
+        RandomOffsets(1000, 4, seed=5, rank=2, world_size=2)

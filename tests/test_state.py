@@ -12,12 +12,14 @@ from safetensors.torch import load_file
 
 from refimpl.checkpoint import load_latest, safe_load, save_checkpoint, verify_checkpoint
 from refimpl.state import (
+    ACCUMULATION_KEYS,
     STATE_KEYS,
     capture_rng,
     capture_state,
     export_safetensors,
     restore_rng,
     restore_state,
+    unwrap_model,
     unwrap_state_dict,
 )
 
@@ -91,7 +93,7 @@ def test_full_state_round_trip_via_checkpoint(tmp_path: Path) -> None:
     sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=0.5)
     scaler2 = torch.amp.GradScaler("cpu", init_scale=2.0)
     info = restore_state(found[1], m2, opt2, scheduler=sched2, scaler=scaler2)
-    assert info == {"epoch": 1, "step": 3, "world_size": 2,
+    assert info == {"epoch": 1, "step": 3, "world_size": 2, "micro_step": 0,
                     "sampler": {"seed": 0, "epoch": 1, "position": 24},
                     "extra": {}, "rng_restored": True}  # fmt: skip
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters(), strict=True))
@@ -156,6 +158,7 @@ def test_user_keys_travel_through_a_checkpoint_and_come_back_as_extra(tmp_path: 
 @pytest.mark.parametrize(
     ("key", "why"),
     [("step", "capture_state writes itself"), ("rng", "capture_state writes itself"),
+     ("grads", "capture_state writes itself"),
      ("a/b", "file-name-safe|letters, digits"), (".hidden", "letters, digits"),
      (3, "letters, digits")],
 )  # fmt: skip
@@ -173,3 +176,48 @@ def test_rng_restored_says_whether_this_rank_got_its_stream_back() -> None:
     assert not restore_state(both, m, rank=2)["rng_restored"]  # no such saved rank
     assert not restore_state({**both, "rng": None}, m)["rng_restored"]
     assert restore_state(capture_state(m, opt), m)["rng_restored"]  # one state: restored as is
+
+
+def test_compiled_models_state_loads_into_an_uncompiled_one_and_back() -> None:
+    """torch.compile wraps the model in an OptimizedModule whose state-dict keys start with
+    ``_orig_mod.`` (no forward pass needed to see it). The captured state has the bare keys and
+    restores into a compiled model and into a bare one; a state dict saved by other code with
+    the prefix (nanoGPT's raw ``model.state_dict()``) restores into a bare model too."""
+    torch.manual_seed(0)
+    bare = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    compiled = torch.compile(bare)
+    assert isinstance(compiled, torch.nn.Module)
+    assert next(iter(compiled.state_dict())) == "_orig_mod.0.weight"
+    assert unwrap_model(compiled) is bare and unwrap_model(torch.compile(_Wrapped(bare))) is bare
+    state = capture_state(compiled, torch.optim.SGD(compiled.parameters(), lr=0.1))
+    assert list(state["model"]) == list(bare.state_dict())
+    torch.manual_seed(1)
+    other = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    restore_state(state, torch.compile(other))  # into a compiled one
+    assert all(
+        torch.equal(a, b) for a, b in zip(bare.parameters(), other.parameters(), strict=True)
+    )
+    torch.nn.init.zeros_(other[0].weight)
+    restore_state({**state, "model": compiled.state_dict()}, other)  # prefixed, into a bare one
+    assert torch.equal(other[0].weight, bare[0].weight)
+
+
+def test_gradients_travel_only_with_a_micro_step_and_refuse_another_world_size() -> None:
+    """micro_step=0 adds no key (the state is the same as before); micro_step>0 saves the
+    gradients and restores them into .grad; a per-rank list of them is refused at another
+    world size before anything is loaded."""
+    m, opt, _, _ = _trained()
+    assert set(capture_state(m, opt)) == set(STATE_KEYS)
+    m(torch.ones(1, 16)).sum().backward()
+    state = capture_state(m, opt, micro_step=3)
+    assert set(state) == {*STATE_KEYS, *ACCUMULATION_KEYS} and state["micro_step"] == 3
+    assert set(state["grads"]) == {n for n, _ in m.named_parameters()}
+    expected = m[0].weight.grad.clone()  # type: ignore[union-attr]
+    opt.zero_grad(set_to_none=True)
+    assert restore_state(state, m)["micro_step"] == 3
+    assert torch.equal(m[0].weight.grad, expected)  # type: ignore[arg-type]
+    both = capture_state(m, opt, micro_step=1, grads=[state["grads"], state["grads"]])
+    torch.nn.init.zeros_(m[0].weight)
+    with pytest.raises(ValueError, match="by 2 ranks, and this run has world size 3"):
+        restore_state(both, m, rank=0, world_size=3)
+    assert not m[0].weight.any()  # refused before the weights were loaded

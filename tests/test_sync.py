@@ -169,3 +169,16 @@ def test_timeline_is_readable_and_plottable(tmp_path: Path) -> None:
     assert spans[0]["start"] == 0.0
     ax = plot_timeline(spans, "test")
     assert ax.get_title() == "test" and len(ax.patches) == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_ddp_forward_inside_main_process_first_hangs_the_bare_model_does_not() -> None:
+    """The rule main_process_first's docstring states: rank 0's evaluation inside the block
+    through the DDP-wrapped model (buffers, after a training step) waits in a broadcast no
+    other rank joins, until the group timeout; through the unwrapped model it runs alone."""
+    ok = spawn(_sync_workers.evaluate_inside_main_process_first, 2, True, timeout_s=60)
+    assert ok == ["evaluated", "evaluated"]
+    with pytest.raises(WorkerError) as caught:
+        worker = _sync_workers.evaluate_inside_main_process_first
+        spawn(worker, 2, False, timeout_s=60, pg_timeout_s=3)
+    assert caught.value.rank == 0, caught.value

@@ -165,3 +165,48 @@ def test_committed_steps_that_all_fail_to_load_stop_every_rank_instead_of_starti
     got = spawn(w.resume_or_error, 2, str(tmp_path), timeout_s=40)
     assert all(g.startswith("CheckpointError: ") and "none of them loads" in g for g in got), got
     assert step_dir.is_dir()  # nothing was trained over it
+
+
+def _same(a: dict | None, b: dict | None) -> bool:  # type: ignore[type-arg]
+    assert a is not None and b is not None
+    return a["scale"] == b["scale"] and all(
+        torch.equal(p, q) for p, q in zip(a["weights"], b["weights"], strict=True)
+    )
+
+
+@pytest.mark.timeout(120)
+def test_resume_mid_accumulation_restores_scaler_and_micro_step(tmp_path: Path) -> None:
+    """A checkpoint taken before micro-batch 2 of step 1 (of 4): resumed, the run ends with
+    the uninterrupted run's weights bit for bit and its scale (halved by step 0's overflow,
+    not the fresh scaler's 65536). Captured without the micro-step, the 2 micro-batches in
+    .grad are lost and the weights differ: the trap this guards against."""
+    whole = w.accumulate(str(tmp_path / "unused"))
+    assert whole is not None and whole["scale"] == 32768.0  # 65536 * backoff 0.5, once
+    assert w.accumulate(str(tmp_path / "a"), (1, 2)) is None
+    resumed = w.accumulate(str(tmp_path / "a"), resume=True)
+    assert _same(resumed, whole)
+    found = load_latest(tmp_path / "a", keys=["micro_step", "scaler"])
+    assert found is not None and found[1]["micro_step"] == 2
+    assert found[1]["scaler"]["scale"] == 32768.0
+    assert w.accumulate(str(tmp_path / "b"), (1, 2), save_micro=False) is None
+    lost = w.accumulate(str(tmp_path / "b"), resume=True)
+    assert lost is not None and not _same(lost, whole)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_resume_mid_accumulation_under_ddp_no_sync_is_bit_identical(tmp_path: Path) -> None:
+    """2 ranks, DDP with no_sync on all but the last micro-batch: each rank's un-averaged
+    gradients are gathered into the checkpoint and each rank gets its own back; a restart at
+    another world size is refused, naming both."""
+    whole = spawn(w.accumulate, 2, str(tmp_path / "unused"), timeout_s=120)
+    assert spawn(w.accumulate, 2, str(tmp_path / "a"), (1, 2), timeout_s=120) == [None, None]
+    resumed = spawn(w.accumulate, 2, str(tmp_path / "a"), None, True, timeout_s=120)
+    assert all(_same(r, whole[0]) for r in resumed) and _same(whole[1], whole[0])
+    found = load_latest(tmp_path / "a")
+    assert found is not None and len(found[1]["grads"]) == 2
+    assert not torch.equal(found[1]["grads"][0]["0.weight"], found[1]["grads"][1]["0.weight"])
+    with pytest.raises(
+        ValueError, match=r"micro-step 2\) by 2 ranks, and this run has world size 1"
+    ):
+        w.accumulate(str(tmp_path / "a"), resume=True)

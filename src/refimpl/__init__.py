@@ -9,13 +9,16 @@ One concept per module; each matches a chapter of the book:
 - `refimpl.device`: which device a rank's tensors belong on, under gloo and NCCL alike
 - `refimpl.atomic`, `refimpl.checkpoint`: atomic, durable, verified saves; safe loading (chapter 5)
 - `refimpl.state`, `refimpl.data`: the whole training state, and a sampler that resumes
-  exactly at any world size (chapter 6)
+  exactly at any world size; random offsets (with replacement) resumable from one counter
+  (chapter 6)
 - `refimpl.guard`, `refimpl.metrics`, `refimpl.mixture`: named collectives that catch ranks
   disagreeing, metrics synced whatever keys each rank holds, the same dataset on every rank
   at each step (chapter 7)
 - `refimpl.sharded`: committed, verified DCP checkpoints that load at any world size, and
   async saves (chapters 8-9)
 - `refimpl.train`: ``python -m refimpl.train``, a fault-tolerant trainer for torchrun
+  (chapter 10)
+- `refimpl.preemption`: SIGTERM finishes the step, the trainer saves it and exits 0
   (chapter 10)
 - `refimpl.chaos`: ``python -m refimpl.chaos``, the kill test for any trainer: kill it in
   several ways, restart, compare its output bit for bit with an untouched run (chapter 10)

@@ -1,40 +1,17 @@
-"""How `refimpl.train` is interrupted: SIGTERM as a flag, and ``--fail-at-step``'s crash."""
+"""How `refimpl.train` is interrupted on purpose: ``--fail-at-step``'s crash.
+
+(SIGTERM, the other interruption, is `refimpl.preemption.StopOnSigterm`.)
+"""
 
 from __future__ import annotations
 
 import os
-import signal
 from collections.abc import Callable
-from types import FrameType
-from typing import Any
 
 from refimpl.atomic import atomic_write_bytes
 
 FAULT_MARKER = "fault_injected_at_step_{step}"
 """Name of the file `--fail-at-step` leaves in the checkpoint directory: the crash fires once."""
-
-
-class StopOnSigterm:
-    """Turn SIGTERM into a flag the training loop reads between steps.
-
-    The handler only sets the flag: Python runs it between bytecodes, possibly in the middle
-    of a print or a save, so doing the work there would be unsafe. The previous handler is put
-    back on exit, since `main` also runs inside other programs (`refimpl.launch.spawn`).
-    """
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: Any = None
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.requested = True
-
-    def __enter__(self) -> StopOnSigterm:
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        signal.signal(signal.SIGTERM, self._previous)
 
 
 def inject_fault(ckpt_dir: str, step: int, log: Callable[[str], None]) -> None:

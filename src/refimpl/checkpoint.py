@@ -242,10 +242,16 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Verify ``step_dir`` (see `verify_checkpoint`), then `safe_load` its files.
 
-    ``keys`` loads only those top-level keys (every file is still verified first);
-    ``map_location`` goes to ``torch.load``, e.g. ``{"cuda:0": f"cuda:{local_rank}"}``.
+    ``keys`` loads only those top-level keys (every file is still verified first, but only
+    those keys are deserialised); ``map_location`` goes to ``torch.load``, e.g.
+    ``{"cuda:0": f"cuda:{local_rank}"}``. Raises `CheckpointError` naming the step when it
+    does not verify or lacks one of ``keys`` (the message lists the keys it has).
     """
     return _load_verified(step_dir, keys, map_location)[1]
+
+
+class _MissingKeys(CheckpointError):
+    """A step that verifies but lacks a key asked for: a wrong name, not a damaged step."""
 
 
 def _load_verified(
@@ -258,7 +264,7 @@ def _load_verified(
     wanted = list(ranges) if keys is None else list(keys)
     unknown = [k for k in wanted if k not in ranges]
     if unknown:
-        raise CheckpointError(step_dir, f"no key(s) {unknown}; it has {sorted(ranges)}")
+        raise _MissingKeys(step_dir, f"no key(s) {unknown}; it has {sorted(ranges)}")
     state = {k: _load_key(Path(step_dir), k, ranges[k], map_location) for k in wanted}
     return manifest, state
 
@@ -306,6 +312,7 @@ def load_latest(
     map_location: Any = "cpu",
     on_load: Callable[[Path, dict[str, Any]], None] | None = None,
     below: int | None = None,
+    keys: Iterable[str] | None = None,
 ) -> tuple[int, dict[str, Any]] | None:
     """The newest checkpoint in ``ckpt_dir`` that verifies, as ``(step, state)``; else None.
 
@@ -320,6 +327,15 @@ def load_latest(
     manifest its files were verified against (`refimpl.trainstate.check_same_checkpoint`
     compares its digest across ranks). ``below`` considers only the steps older than it: the
     way back past a step that verified but could not be restored (`refimpl.train` does this).
+
+    ``keys`` deserialises only those top-level keys of the step it returns (its files are
+    still all verified): read the model's configuration before building the model, then
+    resume into it. A verified step without one of ``keys`` raises `CheckpointError` naming
+    the keys it has, instead of falling back to an older step that has them. Example::
+
+        found = load_latest("ckpt", keys=["config"])     # nothing else is unpickled
+        model = GPT(**(found[1]["config"] if found else default_config))
+        resumed = resume_every_rank("ckpt", model, optimizer)
 
     Example::
 
@@ -336,7 +352,9 @@ def load_latest(
         if below is not None and step >= below:
             continue
         try:
-            manifest, state = _load_verified(step_dir, None, map_location)
+            manifest, state = _load_verified(step_dir, keys, map_location)
+        except _MissingKeys:
+            raise
         except CheckpointError as exc:
             report(step_dir, exc.reason if exc.path == step_dir else str(exc))
         except OSError as exc:  # e.g. the directory vanished between listing and reading

@@ -19,6 +19,11 @@ this epoch (`dropped_tail` says how many).
 epoch after epoch, each handed out with the sampler state to save in a checkpoint taken before
 that batch is trained, so a script that fetches its next batch ahead (prefetching) still
 saves the right position.
+
+`RandomOffsets` is the other way to draw: nanoGPT's ``torch.randint(len(data) - block_size,
+(batch_size,))``, offsets drawn *with* replacement, made resumable without a permutation. Each
+batch is a pure function of the seed and its index, so its state is one counter and its memory
+one batch, however long the data.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import Sampler
 
-__all__ = ["ResumableBatches", "ResumableSampler", "sample_seed"]
+__all__ = ["RandomOffsets", "ResumableBatches", "ResumableSampler", "sample_seed"]
 
 
 class ResumableSampler(Sampler[int]):
@@ -254,3 +259,120 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     """
     digest = hashlib.blake2b(f"{seed}/{epoch}/{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
+
+
+class RandomOffsets:
+    """Random offsets drawn with replacement, resumable bit for bit, with no permutation.
+
+    ``next()`` returns this rank's next ``batch_size`` offsets in ``[0, high)`` (int64),
+    uniform and independent, as nanoGPT's ``torch.randint(len(data) - block_size,
+    (batch_size,))`` draws them, but from a counter-based stream instead of the global RNG:
+    the ranks together draw global batches 0, 1, 2, ... in turn, rank ``r`` taking indices
+    ``r, r + world_size, r + 2 * world_size, ...`` (batch k of rank r is global batch
+    ``k * world_size + r``), and global batch ``i`` is drawn by a ``torch.Generator`` seeded
+    from a hash of ``(seed, i)``. So batch k on rank r is a pure function of (seed, rank, k)
+    at a given world size: nothing is materialised (memory is one batch, where a permutation
+    of every offset is ``8 * high`` bytes) and the state is one counter. Why: a resume is then
+    exact without saving any RNG, and the sampling stays nanoGPT's (with replacement), which a
+    permutation (`ResumableSampler`) silently changes to without.
+
+    ``state_dict()`` is ``{"seed", "high", "batch_size", "world_size", "position"}``, with
+    ``position`` the global batches drawn by all ranks (the same on every rank when they draw
+    in lockstep); a `RandomOffsets` built alike that loads it draws exactly what the saved
+    one would have drawn next. At another world size `load_state_dict` refuses unless
+    ``allow_world_size_change=True``; then the rule is: continue from the global number of
+    batches drawn (``position``), the new ranks taking the next global indices in turn. No
+    global batch is drawn twice or skipped, so the stream stays i.i.d. and is even the same
+    sequence of batches, but steps group them differently (M batches per step instead of N),
+    so the training is not bit-identical to the uninterrupted run. Example::
+
+        offsets = RandomOffsets(len(data) - block_size, batch_size, seed=1337,
+                                rank=rank, world_size=world)
+        if resumed is not None:
+            offsets.load_state_dict(resumed.extra["offsets"])
+        ix = offsets.next()
+        x = torch.stack([data[i : i + block_size] for i in ix])
+
+    Raises ValueError when ``high``, ``batch_size`` or ``world_size`` is below 1 or ``rank``
+    is outside the world.
+    """
+
+    def __init__(
+        self, high: int, batch_size: int, *, seed: int, rank: int, world_size: int
+    ) -> None:
+        if high < 1 or batch_size < 1 or world_size < 1:
+            raise ValueError(
+                f"rank {rank}: high, batch_size and world_size must be >= 1, got {high}, "
+                f"{batch_size}, {world_size}"
+            )
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        self.high = high
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.position = 0  # global batches drawn by all ranks before this rank's next one
+
+    def offsets(self, index: int) -> torch.Tensor:
+        """Global batch ``index``: ``batch_size`` offsets in ``[0, high)``, the same anywhere."""
+        digest = hashlib.blake2b(f"offsets/{self.seed}/{index}".encode(), digest_size=8)
+        g = torch.Generator().manual_seed(int.from_bytes(digest.digest(), "little"))
+        return torch.randint(self.high, (self.batch_size,), generator=g, dtype=torch.int64)
+
+    def next(self) -> torch.Tensor:
+        """This rank's next batch of offsets (global batch ``position + rank``)."""
+        batch = self.offsets(self.position + self.rank)
+        self.position += self.world_size
+        return batch
+
+    def __iter__(self) -> RandomOffsets:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        return self.next()
+
+    def state_dict(self, prefetched: int = 0) -> dict[str, int]:
+        """The state to save; ``prefetched``: batches drawn ahead and not trained yet.
+
+        A loop that draws its next batch before the forward pass (nanoGPT's prefetch) saves
+        ``state_dict(prefetched=1)``, so the resume draws that batch again.
+        """
+        if not 0 <= prefetched * self.world_size <= self.position:
+            raise ValueError(
+                f"rank {self.rank}: prefetched={prefetched} batches, but only "
+                f"{self.position // self.world_size} were drawn"
+            )
+        position = self.position - prefetched * self.world_size
+        return {
+            "seed": self.seed,
+            "high": self.high,
+            "batch_size": self.batch_size,
+            "world_size": self.world_size,
+            "position": position,
+        }
+
+    def load_state_dict(
+        self, state: dict[str, Any], *, allow_world_size_change: bool = False
+    ) -> None:
+        """Continue from ``state``; see the class for the rule at another world size.
+
+        Raises ValueError when the seed, ``high`` or ``batch_size`` differ (the draws would
+        not be the saved run's), and when the world size differs unless
+        ``allow_world_size_change``.
+        """
+        for key in ("seed", "high", "batch_size"):
+            if int(state[key]) != getattr(self, key):
+                raise ValueError(
+                    f"rank {self.rank}: offsets state has {key} {state[key]}, this RandomOffsets "
+                    f"{getattr(self, key)}; build it with the saved {key} to continue its stream"
+                )
+        saved_world = int(state["world_size"])
+        if saved_world != self.world_size and not allow_world_size_change:
+            raise ValueError(
+                f"rank {self.rank}: offsets state was saved at world size {saved_world}, this "
+                f"run has world size {self.world_size}. Pass allow_world_size_change=True to "
+                "continue from the global number of batches drawn (i.i.d., not bit-identical "
+                f"to a run at world size {saved_world})"
+            )
+        self.position = int(state["position"])

@@ -4,8 +4,9 @@ When only rank 0 saves, the other ranks run on into the next step and wait for r
 the next collective, under the timeout chosen for training collectives. `barrier_safe` puts
 that wait at a named place right after the save, with a timeout sized for saving, and can
 name the rank that is late (``monitored=True``). `main_process_first` lets rank 0 create
-something (a file, a cache) before the other ranks read it, and turns a failure on rank 0
-into an error on every rank instead of a hang.
+something (a file, a cache, a checkpoint) before the other ranks go on, and turns a failure on
+rank 0 into an error on every rank instead of a hang; its block must call no collective (a
+DDP forward can be one).
 
 The chapter's demos (the incident, its fixes, their timelines) are in `refimpl.demos.sync`.
 """
@@ -84,12 +85,18 @@ def main_process_first(*, timeout_s: float | None = None) -> Iterator[bool]:
     the block, so whatever rank 0 wrote there exists when they run it. If rank 0 raises,
     they raise `MainProcessFailed` at once instead of hanging until a timeout.
 
-    Never call a collective (``all_reduce``, ``barrier``, ``broadcast``, a DDP forward) inside
-    the block. Rank 0 runs the block alone while every other rank waits at the entrance; a
-    collective in rank 0's block waits for ranks that cannot come, so the job deadlocks until
-    the group timeout, and the timeout error then appears on an innocent rank. The block is
-    for rank-0-only work on files: preparing a cache, downloading weights, writing a
-    vocabulary.
+    The rule: the block holds rank-0-only work that calls no collective, and saving the
+    checkpoint is such work (the other ranks wait at the entrance under ``timeout_s``, the
+    save's budget, and learn at once if it fails); anything collective runs before the block
+    on every rank. Rank 0 runs the block alone while every other rank waits at the entrance,
+    so a collective there (``all_reduce``, ``barrier``, ``broadcast``,
+    `refimpl.trainstate.capture_every_rank`) waits for ranks that cannot come: the job
+    deadlocks until the group timeout, and the error then appears on an innocent rank. A
+    forward through the DDP-wrapped model is such a collective: DDP's first forward after a
+    training step broadcasts the module's buffers (BatchNorm statistics, a registered
+    attention mask). So an evaluation (nanoGPT's ``estimate_loss``) runs before the block on
+    every rank, or inside it on rank 0 through the bare model
+    (`refimpl.state.unwrap_model`), which calls no collective.
 
     Example::
 
@@ -97,6 +104,12 @@ def main_process_first(*, timeout_s: float | None = None) -> Iterator[bool]:
             if is_main:
                 atomic_save(tokenizer_cache, "cache.pt")
             cache = safe_load("cache.pt")
+
+        state = capture_every_rank(ddp, opt, step=step)      # collective: every rank, first
+        with main_process_first(timeout_s=600) as is_main:   # the save's budget
+            if is_main:
+                losses = estimate_loss(unwrap_model(ddp))    # bare model: no collective
+                save_checkpoint("ckpt", state, step)
     """
     if not _active():
         yield True

@@ -40,8 +40,8 @@ it along a cosine to 0.1 x ``--lr`` at ``--steps`` (the default is a constant ra
 scheduler's state is saved with every checkpoint on both backends (`refimpl._train_schedule`).
 
 SIGTERM (a preemption: SLURM's ``--signal``, Kubernetes before its SIGKILL) finishes the current
-step, saves it and exits 0. The stop flag rides on the per-step loss all-reduce, so a signal to
-any one rank stops every rank after the same step.
+step, saves it and exits 0 (`refimpl.preemption.StopOnSigterm`). The stop flag rides on the
+per-step loss all-reduce, so a signal to any one rank stops every rank after the same step.
 
 Restarts and torchrun's shared store: torch 2.13's torchrun keeps one TCPStore for every
 attempt, where a restarted worker's ``init_process_group`` can read a dead worker's address and
@@ -74,13 +74,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from refimpl import _train_files, _train_interrupts, _train_watchdog
 from refimpl._train_args import parse_args
-from refimpl._train_interrupts import StopOnSigterm, inject_fault
+from refimpl._train_interrupts import inject_fault
 from refimpl._train_resume import refuse_fresh_start
 from refimpl._train_schedule import make_scheduler
 from refimpl.atomic import atomic_save
 from refimpl.data import ResumableBatches, ResumableSampler
 from refimpl.dirlock import DirLock
 from refimpl.launch import init_from_env
+from refimpl.preemption import StopOnSigterm
 from refimpl.sync import barrier_safe
 
 __all__ = ["FAULT_MARKER", "main", "make_data", "make_model", "parse_args"]

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from refimpl.atomic import COMMIT_MARKER
 from refimpl.checkpoint import CheckpointError, _log_skip, load_latest
 from refimpl.data import ResumableSampler
-from refimpl.state import capture_rng, capture_state, restore_state
+from refimpl.state import capture_grads, capture_rng, capture_state, restore_state
 
 __all__ = [
     "CheckpointMismatch",
@@ -61,6 +61,7 @@ def capture_every_rank(
     sampler_state: Mapping[str, int] | None = None,
     epoch: int = 0,
     step: int = 0,
+    micro_step: int = 0,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     """Collective: the training state of every rank at this point; rank 0 gets it, others None.
@@ -69,6 +70,15 @@ def capture_every_rank(
     `refimpl.state.capture_state` with ``rng`` the list of them in rank order and
     ``world_size`` the group's; ``extra`` holds your own keys (see ``capture_state``). Without
     a process group it is ``capture_state`` with this process's RNG, as a list of one.
+
+    ``scaler`` (a ``torch.amp.GradScaler``) saves its scale and growth tracker, so a resumed
+    fp16 run continues at the scale it had reached instead of the initial 65536. With gradient
+    accumulation, ``micro_step`` is how many micro-batches of the next optimizer step are
+    already in ``.grad``: 0 (the default) at a step boundary; above 0, every rank's
+    gradients (`refimpl.state.capture_grads`: under DDP's ``no_sync`` each rank's own) are
+    gathered to rank 0 like the RNG and saved, and ``sampler_state`` must be the position of
+    the next micro-batch. Such a state resumes only at the same world size; saving at step
+    boundaries avoids both the gradients' size and that limit.
 
     Where to call it: on every rank, at the same point of the loop, and *before* any work
     that only rank 0 does (an evaluation, logging, the save itself). Two reasons. It is a
@@ -87,21 +97,24 @@ def capture_every_rank(
                                    extra={"best_val_loss": best})
         with main_process_first(timeout_s=600) as is_main:
             if is_main:
-                evaluate()                       # rank 0 only, after the capture
-                save_checkpoint("ckpt", state, it)
+                evaluate(unwrap_model(model))    # rank 0 only, after the capture: the
+                save_checkpoint("ckpt", state, it)   # bare model (a DDP forward is collective)
     """
     rank, world = _world()
-    mine = capture_rng()
+    mine = (capture_rng(), capture_grads(model) if micro_step else None)
     if world == 1:
-        rngs: list[Any] = [mine]
+        both: list[Any] = [mine]
     else:
-        rngs = [None] * world
-        dist.gather_object(mine, rngs if rank == 0 else None, dst=0)
+        both = [None] * world
+        dist.gather_object(mine, both if rank == 0 else None, dst=0)
         if rank != 0:
             return None
+    rngs = [r for r, _ in both]
+    grads = [g for _, g in both] if micro_step else None
     return capture_state(model, optimizer, scheduler=scheduler, scaler=scaler,
                          sampler_state=sampler_state, rng=rngs, epoch=epoch, step=step,
-                         world_size=world, extra=extra)  # fmt: skip
+                         world_size=world, micro_step=micro_step, grads=grads,
+                         extra=extra)  # fmt: skip
 
 
 class CheckpointMismatch(RuntimeError):
@@ -174,7 +187,9 @@ def _refuse_to_start_over(ckpt_dir: str | os.PathLike[str], why: str | None, wor
 class Resumed:
     """What `resume_every_rank` restored: the step, the saved epoch and world size, the
     sampler state (already loaded into ``sampler`` when one was passed), your own keys
-    (``extra``), whether this rank's RNG stream was restored, and the step's manifest digest."""
+    (``extra``), whether this rank's RNG stream was restored, the step's manifest digest, and
+    ``micro_step``: the micro-batches of the next optimizer step already accumulated (and
+    restored into ``.grad``), 0 for a state saved at a step boundary."""
 
     step: int
     epoch: int
@@ -183,6 +198,7 @@ class Resumed:
     extra: dict[str, Any] = field(default_factory=dict)
     rng_restored: bool = False
     digest: str = ""
+    micro_step: int = 0
 
 
 def resume_every_rank(
@@ -240,4 +256,5 @@ def resume_every_rank(
         sampler.load_state_dict(info["sampler"])
     return Resumed(step=info["step"], epoch=info["epoch"], world_size=info["world_size"],
                    sampler=info["sampler"], extra=info["extra"],
-                   rng_restored=info["rng_restored"], digest=loaded["digest"])  # fmt: skip
+                   rng_restored=info["rng_restored"], digest=loaded["digest"],
+                   micro_step=info["micro_step"])  # fmt: skip
