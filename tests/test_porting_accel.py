@@ -1,7 +1,7 @@
-"""refimpl.demos.porting.accel: the Accelerate trace reading finds replayed batches and a
-moved RNG, and the command and the diff are the chapter's. (The kill tests of
-train_accelerate.py and its port run in chapter 11, under nbval, with accelerate
-installed.)"""
+"""refimpl.demos.porting.accel and .sampling: the Accelerate trace reading finds replayed
+batches and a moved RNG, the command and the diff are the chapter's, and the sampling costs
+scale by the arithmetic the chapter states. (The kill tests of train_accelerate.py and its
+port run in chapter 11, under nbval, with accelerate installed.)"""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from refimpl.demos.porting.accel import (
     accelerate_diff,
     resume_evidence,
 )
+from refimpl.demos.porting.sampling import sampling_costs
 
 
 def test_accelerate_command_and_diff() -> None:
@@ -52,3 +53,12 @@ def test_resume_evidence_reads_replayed_batches_and_rng(tmp_path: Path) -> None:
     _trace(tmp_path / "none", ref)
     with pytest.raises(ValueError, match="no resume"):
         resume_evidence(tmp_path / "none", tmp_path / "ref", nproc=1)
+
+
+def test_sampling_costs_scale_by_arithmetic() -> None:
+    c = sampling_costs(1_000_000, measured_n=100_000, batch_size=12, batches=10, repeats=1)
+    assert c.permutation_bytes == 8_000_000 and c.offsets_bytes == 96
+    assert c.permutation_s > 0 and c.offsets_s_per_batch > 0
+    assert c.offsets_s_per_epoch == pytest.approx(c.offsets_s_per_batch * 1_000_000 / 12)
+    with pytest.raises(ValueError, match="measured_n"):
+        sampling_costs(10, measured_n=20)

@@ -11,8 +11,8 @@ as a verified ``out/checkpoints/step_N``; every start resumes from the newest on
 verifies. ``final.pt`` holds the final weights (what the kill test compares).
 
 ``--trace FILE`` (a diagnosis aid, not part of the style) appends one line per process and
-step: the step, a CRC of torch's global RNG state at the top of the step, a CRC of the
-shuffle's generator state, and the samples of the batch.
+step: the step, a CRC of torch's global RNG state at the top of the step, the epoch (where
+the original logs its shuffle's generator), and the samples of the batch.
 """
 
 import argparse
