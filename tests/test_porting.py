@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import runpy
 import sys
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from refimpl.data import RandomOffsets
 from refimpl.demos import porting
 from refimpl.demos.porting import (
     SCRIPTS,
@@ -73,6 +76,23 @@ def test_a_run_stopped_after_a_save_and_started_again(
         assert differ == tensors == 16
 
 
+@pytest.mark.timeout(120)
+def test_the_port_trains_the_random_offsets_stream_and_evaluation_draws_none_of_it(
+    data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Iteration k trains global batch k of RandomOffsets, whatever rank 0's evaluation reads
+    # (it evaluates on train batches too: drawn from the counter, they would put rank 0 ahead
+    # of the other ranks at every evaluation; chapter 11's kill test caught that once).
+    _run("port", tmp_path / "port", data, 8, monkeypatch)
+    train = np.fromfile(data / "train.bin", dtype=np.uint16).astype(np.int64)
+    offsets = RandomOffsets(len(train) - 16, 4, seed=1337, rank=0, world_size=1)
+    want = []
+    for it in range(9):  # iterations 0..8, block_size 16, batch_size 4
+        x = torch.stack([torch.from_numpy(train[i : i + 16]) for i in offsets.next()])
+        want.append(f"{it} {zlib.crc32(x.numpy().tobytes()):08x}")
+    assert (tmp_path / "port" / "draws.rank0").read_text().splitlines() == want
+
+
 @pytest.mark.timeout(60)
 def test_rng_capture_points_separates_whose_rng_from_where_it_is_captured() -> None:
     rows = {r["variant"]: (r["rank0"], r["rank1"], r["iterations"]) for r in rng_capture_points()}
@@ -120,7 +140,7 @@ def test_the_diff_is_the_port_and_its_size_adds_up() -> None:
     body = "\n".join(hunks).splitlines()
     assert added == sum(ln.startswith("+") for ln in body) > 0
     assert removed == sum(ln.startswith("-") for ln in body) > 0
-    for name in ("capture_every_rank(", "resume_every_rank(", "ResumableBatches(",
+    for name in ("capture_every_rank(", "resume_every_rank(", "RandomOffsets(",
                  "save_checkpoint(", "init_from_env("):  # fmt: skip
         assert any(ln.startswith("+") and name in ln for ln in body), name
     assert "-                torch.save(checkpoint, ckpt_path)" in body

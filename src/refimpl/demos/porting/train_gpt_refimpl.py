@@ -6,7 +6,8 @@ Run it alone, or under torchrun (DDP on every rank, gloo on CPU)::
 
 Every ``eval_interval`` iterations every rank captures its state (RNG included) before rank 0
 evaluates, and rank 0 saves it as a verified ``out_dir/ckpt/step_N``; every start resumes
-from the newest one that verifies. Training batches come from a `ResumableSampler`.
+from the newest one that verifies. Training batches are random offsets drawn with
+replacement, as before, from a `RandomOffsets` whose state is one counter.
 """
 
 import json
@@ -24,7 +25,7 @@ from torch.distributed import destroy_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from refimpl.checkpoint import save_checkpoint
-from refimpl.data import ResumableBatches, ResumableSampler
+from refimpl.data import RandomOffsets
 from refimpl.demos.porting.model import GPT, GPTConfig
 from refimpl.launch import init_from_env
 from refimpl.trainstate import capture_every_rank, resume_every_rank
@@ -88,7 +89,7 @@ torch.manual_seed(1337 + seed_offset)
 def get_batch(split: str, ix: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     # recreate np.memmap every batch to avoid a memory leak, as nanoGPT does
     data = np.memmap(os.path.join(data_dir, f"{split}.bin"), dtype=np.uint16, mode="r")
-    if ix is None:  # evaluation: random offsets; training passes the sampler's
+    if ix is None:  # evaluation: random offsets from the RNG; training passes its own
         ix = torch.randint(len(data) - block_size, (batch_size,))
     x = torch.stack([torch.from_numpy(data[i : i + block_size].astype(np.int64)) for i in ix])
     y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + block_size].astype(np.int64))
@@ -107,18 +108,18 @@ ckpt_dir = os.path.join(out_dir, "ckpt")
 model = GPT(GPTConfig(**model_args))
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2))
 train_len = len(np.memmap(os.path.join(data_dir, "train.bin"), dtype=np.uint16, mode="r"))
-sampler = ResumableSampler(train_len - block_size, batch_size=batch_size, rank=ddp_rank,
-                           world_size=ddp_world_size, seed=1337)  # fmt: skip
+offsets = RandomOffsets(train_len - block_size, batch_size, seed=1337, rank=ddp_rank,
+                        world_size=ddp_world_size)  # fmt: skip
 resumed = None
 if init_from == "resume":  # every rank: the newest good step, the same everywhere, its own RNG
-    resumed = resume_every_rank(ckpt_dir, model, optimizer, sampler=sampler)
+    resumed = resume_every_rank(ckpt_dir, model, optimizer)
 if resumed is not None:
     print(f"Resuming training from {ckpt_dir} at iter {resumed.step}")
+    offsets.load_state_dict(resumed.extra["offsets"])
     assert resumed.extra["model_args"] == model_args, "the checkpoint is of another model"
     iter_num, best_val_loss = resumed.step, resumed.extra["best_val_loss"]
 else:
     print("Initializing a new model from scratch")
-batches = ResumableBatches(sampler)  # each batch comes with the position to save for it
 train_model: torch.nn.Module = DDP(model) if ddp else model
 
 
@@ -147,17 +148,16 @@ def get_lr(it: int) -> float:  # linear warmup, then cosine decay to min_lr
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
 
-position, ix = next(batches)
-X, Y = get_batch("train", ix)  # fetch the very first batch
+X, Y = get_batch("train", offsets.next())  # fetch the very first batch
 while True:
     lr = get_lr(iter_num) if decay_lr else learning_rate
     for param_group in optimizer.param_groups:
         param_group["lr"] = lr
     if iter_num % eval_interval == 0 and iter_num > 0:
         # every rank, before rank 0's evaluation draws from its RNG: a resume re-enters here
-        state = capture_every_rank(model, optimizer, sampler_state=position, step=iter_num,
-                                   extra={"model_args": model_args, "config": config,
-                                          "best_val_loss": best_val_loss})  # fmt: skip
+        state = capture_every_rank(model, optimizer, step=iter_num, extra={
+            "model_args": model_args, "config": config, "best_val_loss": best_val_loss,
+            "offsets": offsets.state_dict(prefetched=1)})  # fmt: skip
     # evaluate the loss on train/val sets and write checkpoints
     if iter_num % eval_interval == 0 and master_process:
         losses = estimate_loss()
@@ -173,8 +173,7 @@ while True:
             log.write(f"{iter_num} {zlib.crc32(X.numpy().tobytes()):08x}\n")
     _, loss = train_model(X, Y)
     assert loss is not None
-    position, ix = next(batches)
-    X, Y = get_batch("train", ix)  # immediately fetch the next batch, as nanoGPT's prefetch does
+    X, Y = get_batch("train", offsets.next())  # immediately fetch the next batch, as nanoGPT does
     loss.backward()
     if grad_clip != 0.0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
