@@ -5,7 +5,11 @@ diff the chapter prints say what they claim."""
 
 from __future__ import annotations
 
+import os
+import re
 import runpy
+import signal
+import subprocess
 import sys
 import zlib
 from collections.abc import Iterator
@@ -77,6 +81,36 @@ def test_a_run_stopped_after_a_save_and_started_again(
 
 
 @pytest.mark.timeout(120)
+def test_sigterm_to_the_port_saves_its_step_exits_0_and_the_rerun_ends_bit_identical(
+    data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ref, stopped = tmp_path / "ref", tmp_path / "stopped"
+    _run("port", ref, data, 8, monkeypatch)
+    script = str(SCRIPTS["port"])
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    cmd = [sys.executable, script, f"--out_dir={stopped}", f"--data_dir={data}"]
+    cmd += ["--max_iters=8", "--step_sleep=0.3"]
+    env["PYTHONUNBUFFERED"] = "1"  # each line as printed: the signal follows "iter 5"
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:  # a preemption notice in the middle of the run
+        lines.append(line.rstrip("\n"))
+        if line.startswith("iter 5:"):
+            proc.send_signal(signal.SIGTERM)
+    out = "\n".join(lines)
+    assert proc.wait(timeout=60) == 0, out
+    saved = re.search(r"^SIGTERM: saving iter (\d+) to ", out, re.M)
+    assert saved is not None and 5 < int(saved.group(1)) <= 8, out
+    assert (stopped / "ckpt" / f"step_{int(saved.group(1)):08d}").is_dir(), out
+    assert not (stopped / "final.pt").exists()  # a preempted run has no final weights
+    _run("port", stopped, data, 8, monkeypatch)  # the next start resumes from that step
+    assert differing_tensors(stopped, ref) == (0, differing_tensors(ref, ref)[1])
+
+
+@pytest.mark.timeout(120)
 def test_the_port_trains_the_random_offsets_stream_and_evaluation_draws_none_of_it(
     data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -141,7 +175,7 @@ def test_the_diff_is_the_port_and_its_size_adds_up() -> None:
     assert added == sum(ln.startswith("+") for ln in body) > 0
     assert removed == sum(ln.startswith("-") for ln in body) > 0
     for name in ("capture_every_rank(", "resume_every_rank(", "RandomOffsets(",
-                 "save_checkpoint(", "init_from_env("):  # fmt: skip
+                 "save_checkpoint(", "init_from_env(", "StopOnSigterm("):  # fmt: skip
         assert any(ln.startswith("+") and name in ln for ln in body), name
     assert "-                torch.save(checkpoint, ckpt_path)" in body
     assert added + removed < 100  # a port, not a rewrite

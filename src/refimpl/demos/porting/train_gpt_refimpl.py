@@ -17,6 +17,7 @@ import sys
 import time
 import zlib
 from ast import literal_eval
+from contextlib import ExitStack
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,7 @@ from refimpl.checkpoint import save_checkpoint
 from refimpl.data import RandomOffsets
 from refimpl.demos.porting.model import GPT, GPTConfig
 from refimpl.launch import init_from_env
+from refimpl.preemption import StopOnSigterm
 from refimpl.trainstate import capture_every_rank, resume_every_rank
 
 # -----------------------------------------------------------------------------
@@ -149,15 +151,23 @@ def get_lr(it: int) -> float:  # linear warmup, then cosine decay to min_lr
 
 
 X, Y = get_batch("train", offsets.next())  # fetch the very first batch
+preempt = ExitStack().enter_context(StopOnSigterm())  # SIGTERM: finish the step, save, exit 0
 while True:
     lr = get_lr(iter_num) if decay_lr else learning_rate
     for param_group in optimizer.param_groups:
         param_group["lr"] = lr
-    if iter_num % eval_interval == 0 and iter_num > 0:
+    stop = preempt.should_stop() and iter_num > 0  # every rank: a signal to one stops all
+    if (iter_num % eval_interval == 0 and iter_num > 0) or stop:
         # every rank, before rank 0's evaluation draws from its RNG: a resume re-enters here
         state = capture_every_rank(model, optimizer, step=iter_num, extra={
             "model_args": model_args, "config": config, "best_val_loss": best_val_loss,
             "offsets": offsets.state_dict(prefetched=1)})  # fmt: skip
+    if stop:
+        if master_process:
+            assert state is not None
+            print(f"SIGTERM: saving iter {iter_num} to {out_dir}, then exiting")
+            save_checkpoint(ckpt_dir, state, iter_num)
+        break
     # evaluate the loss on train/val sets and write checkpoints
     if iter_num % eval_interval == 0 and master_process:
         losses = estimate_loss()
@@ -186,7 +196,7 @@ while True:
     if iter_num > max_iters:
         break
 
-if master_process:  # for the kill test: the weights the run ends with
+if master_process and not stop:  # for the kill test: the weights the run ends with
     torch.save({"model": model.state_dict(), "iter_num": iter_num},
                os.path.join(out_dir, "final.pt"))  # fmt: skip
     print("done")
