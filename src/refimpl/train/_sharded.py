@@ -4,9 +4,9 @@ Every rank holds and writes only its shard of the weights and the optimizer stat
 (`refimpl.sharded.save_sharded`, committed when every rank's files are durable), and a start
 at any world size loads and reshards it. What the DDP path keeps in rank 0's file besides the
 weights travels here in ``state=``, in the same commit, the same on every rank: the step, the
-sampler's global position and the LR scheduler (`refimpl._train_schedule`), which is all an
+sampler's global position and the LR scheduler (`refimpl.train._schedule`), which is all an
 exact resume at another world size needs. ``--async-save`` hands the same arguments to an
-`refimpl.sharded.AsyncSaver` instead (`refimpl._train_async`).
+`refimpl.sharded.AsyncSaver` instead (`refimpl.train._async`).
 
 Dropout's RNG is not saved, so there is no `refimpl.sharded.PerRank` entry: a rank's stream is
 re-seeded from (seed, rank, step) at every step, so a resumed step draws what the
@@ -28,13 +28,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.optim.lr_scheduler import LRScheduler
 
-from refimpl._train_flags import refuse, reset_lr, resume_problems, sampler_entry
-from refimpl._train_restorable import scheduler_misfit
-from refimpl._train_resume import refuse_fresh_start
-from refimpl._train_schedule import check_restored, flat_schedule
 from refimpl.checkpoint import list_checkpoints, step_dir_name
 from refimpl.data import ResumableSampler
 from refimpl.sharded import ShardedCheckpointError, load_sharded, save_sharded
+from refimpl.train._flags import refuse, reset_lr, resume_problems, sampler_entry
+from refimpl.train._restorable import scheduler_misfit
+from refimpl.train._resume import refuse_fresh_start
+from refimpl.train._schedule import check_restored, flat_schedule
 
 
 def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -58,7 +58,7 @@ def trainer_state(
     sched: LRScheduler, sampler_state: Mapping[str, int], step: int
 ) -> dict[str, Any]:
     """The ``state=`` of a save: equal on every rank, so each entry is shared (saved once).
-    ``sampler_state``: the trainer's sampler entry (`refimpl._train_flags.sampler_entry`)."""
+    ``sampler_state``: the trainer's sampler entry (`refimpl.train._flags.sampler_entry`)."""
     return {"step": step, "sampler": dict(sampler_state), "scheduler": sched}
 
 
@@ -91,7 +91,7 @@ def load(
     """Collective: load the newest good step at this world size, less ``--no-restore``;
     return it (0 without one; each step skipped goes to ``on_skip``). Rank 0 picks the step
     for everyone; DCP reshards. When committed steps exist and none loads, 0 too, the load's
-    error passed to ``on_skip``: the caller (`refimpl._train_resume.refuse_fresh_start`) then
+    error passed to ``on_skip``: the caller (`refimpl.train._resume.refuse_fresh_start`) then
     stops, naming the reason or the flag."""
     Path(args.ckpt_dir).mkdir(parents=True, exist_ok=True)  # a new run's root: a fresh start
     state: dict[str, Any] = {"step": None, "sampler": None, "scheduler": sched}

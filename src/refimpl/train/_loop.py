@@ -1,63 +1,7 @@
-"""Chapter 10: a trainer that can be killed at any moment and finishes as if it never was.
-
-Run it alone (a world of one) or as N processes that torchrun restarts when one dies::
-
-    python -m refimpl.train --steps 20 --save-every 5 --ckpt-dir ckpt --final-weights w.pt
-    torchrun --standalone --nproc_per_node=2 --max-restarts=2 -m refimpl.train \\
-        --steps 20 --save-every 5 --ckpt-dir ckpt --final-weights w.pt --fail-at-step 8
-
-The restart loop is torchrun's: when a worker exits non-zero, its agent SIGTERMs the others
-(SIGKILL 30 s later), and starts all N again, using up one of ``--max-restarts``. So start-up
-*is* recovery: every start calls `load_latest` and continues from the newest checkpoint that
-verifies, restoring what an exact resume needs (weights, optimizer, sampler position, every
-rank's RNG, the step). Running the same command again is always safe: a finished run finds its
-last step and only rewrites the final weights. A start that finds committed steps but can load
-none of them (all damaged, or written by the other backend: ``--sharded`` forgotten or added)
-stops with the reasons instead of training from step 0 over them.
-
-One run per ``--ckpt-dir``: rank 0 holds `refimpl.dirlock.DirLock` on it from start to exit,
-so a second job started there (submitted twice, an old directory reused) stops at once,
-naming the holder's host and pid, and a directory that cannot be written is refused before
-the first step. A torchrun restart is the same job: its new rank 0 waits for the old one.
-
-A start whose ``--lr``, ``--steps``, ``--samples`` or ``--seed`` contradicts the step it
-resumes stops before training, naming the flag to pass (``--reset-lr`` applies a new rate
-instead and says so: `refimpl._train_flags`). A step that verifies but does not fit (an RNG
-state of another size, a scheduler with other param groups) is skipped like a damaged one,
-the reason logged (`refimpl._train_restorable`).
-
-``--sharded`` swaps DDP for FSDP2 and rank 0's file for chapter 8's DCP checkpoints, which
-every rank writes in parallel and a restart at another world size reshards; the step, the
-sampler's position and the LR schedule travel in the checkpoint's ``state=``, and dropout is
-re-seeded from (seed, rank, step) instead of saved (`refimpl._train_sharded`). Add
-``--async-save`` and each save is written while the next steps train, one at a time; the
-trainer waits for it before the final weights and before a SIGTERM exit
-(`refimpl._train_async`). Without ``--sharded``, ``--async-save`` does the same for rank 0's
-file checkpoint (`refimpl._train_files.AsyncFileSaves`).
-
-``--lr-schedule cosine --warmup-steps N`` warms the rate up linearly over N steps, then decays
-it along a cosine to 0.1 x ``--lr`` at ``--steps`` (the default is a constant rate); the
-scheduler's state is saved with every checkpoint on both backends (`refimpl._train_schedule`).
-
-SIGTERM (a preemption: SLURM's ``--signal``, Kubernetes before its SIGKILL) finishes the current
-step, saves it and exits 0 (`refimpl.preemption.StopOnSigterm`). The stop flag rides on the
-per-step loss all-reduce, so a signal to any one rank stops every rank after the same step.
-
-Restarts and torchrun's shared store: torch 2.13's torchrun keeps one TCPStore for every
-attempt, where a restarted worker's ``init_process_group`` can read a dead worker's address and
-fail ("Connection refused") or hang (pytorch/pytorch#135712). `refimpl.launch.init_from_env`
-scopes the group's keys to the attempt, so this trainer needs no setting; a trainer that calls
-``init_process_group`` itself can run torchrun with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``.
-"""
+"""The training loop of ``python -m refimpl.train`` (`refimpl.train.main`): build, restore,
+train, save; the package's docstring says what it guarantees."""
 
 from __future__ import annotations
-
-# ruff: noqa: E402 -- the collector is paused (below) before torch is imported
-from refimpl import _startup_gc
-
-# Run as the program, start-up runs without the cyclic collector until the model is wrapped:
-# a 12-step run on one rank took 2.1 CPU-seconds instead of 3.2 here (`refimpl._startup_gc`).
-_startup_gc.pause(__name__)
 
 import argparse
 import os
@@ -72,32 +16,33 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from refimpl import _train_files, _train_interrupts, _train_watchdog
-from refimpl._train_args import parse_args
-from refimpl._train_interrupts import inject_fault
-from refimpl._train_resume import refuse_fresh_start
-from refimpl._train_schedule import make_scheduler
+from refimpl import _startup_gc
 from refimpl.atomic import atomic_save
 from refimpl.data import ResumableBatches, ResumableSampler
 from refimpl.dirlock import DirLock
 from refimpl.launch import init_from_env
 from refimpl.preemption import StopOnSigterm
 from refimpl.sync import barrier_safe
+from refimpl.train import _files, _watchdog
+from refimpl.train._args import parse_args
+from refimpl.train._interrupts import inject_fault
+from refimpl.train._resume import refuse_fresh_start
+from refimpl.train._schedule import make_scheduler
 
-__all__ = ["FAULT_MARKER", "main", "make_data", "make_model", "parse_args"]
-
-parse_args.__module__ = __name__  # documented, and found, as refimpl.train.parse_args
-FAULT_MARKER = _train_interrupts.FAULT_MARKER
-"""Name of the file `--fail-at-step` leaves in the checkpoint directory: the crash fires once."""
+__all__ = ["main", "make_data", "make_model"]
 
 
 def make_model(seed: int, dropout: float = 0.1) -> torch.nn.Module:
     """The MLP that is trained: the same initial weights for a given seed, on every rank."""
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(dropout),
-        torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1),
-    )  # fmt: skip
+        torch.nn.Linear(16, 64),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(dropout),
+        torch.nn.Linear(64, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 1),
+    )
 
 
 def make_data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,13 +71,19 @@ class _Log:
         sys.stdout.flush()
 
 
-def _load(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer,
-          sched: Any, sampler: ResumableSampler, device: torch.device,
-          log: _Log) -> int:  # fmt: skip
+def _load(
+    args: argparse.Namespace,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: Any,
+    sampler: ResumableSampler,
+    device: torch.device,
+    log: _Log,
+) -> int:
     """Restore the newest checkpoint on every rank; return its step (0 without one).
 
     Loading nothing where committed steps exist raises on every rank instead of returning 0:
-    training from step 0 would overwrite them (`refimpl._train_resume`)."""
+    training from step 0 would overwrite them (`refimpl.train._resume`)."""
     skipped: list[str] = []
 
     def on_skip(step_dir: Path, why: str) -> None:
@@ -158,45 +109,50 @@ def _load(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Opt
 def _backend(args: argparse.Namespace) -> Any:
     """Where checkpoints go: one file by rank 0 (DDP), or a shard by every rank (FSDP2)."""
     if not args.sharded:
-        return _train_files
+        return _files
     # Imported only here: torch.distributed.checkpoint and DTensor add ~0.8 s of CPU to every
     # worker's start (a third of it), and a torchrun restart pays it again on every rank.
-    from refimpl import _train_sharded
+    from refimpl.train import _sharded
 
-    return _train_sharded
+    return _sharded
 
 
 def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device, log: _Log) -> int:
     """The loop: build, restore, train, save; return 0 when done or stopped by SIGTERM."""
     if args.fail_at_step is not None and args.fail_rank >= world:  # world is known only now
-        raise ValueError(f"rank {rank}: --fail-rank {args.fail_rank} is not a rank of this "
-                         f"world of {world}: pass 0..{world - 1}, or -1 for the last")  # fmt: skip
+        raise ValueError(
+            f"rank {rank}: --fail-rank {args.fail_rank} is not a rank of this "
+            f"world of {world}: pass 0..{world - 1}, or -1 for the last"
+        )
     if world > 1:
         barrier_safe(timeout_s=args.save_timeout)  # creates the save-wait group, once, now
     ddp: torch.nn.Module
     if args.sharded:
         ddp = _backend(args).shard_model(make_model(args.seed, args.dropout), device)
     else:
-        ddp = DDP(make_model(args.seed, args.dropout).to(device),
-                  device_ids=[device] if device.type == "cuda" else None)  # fmt: skip
+        ddp = DDP(
+            make_model(args.seed, args.dropout).to(device),
+            device_ids=[device] if device.type == "cuda" else None,
+        )
     _startup_gc.resume()
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
     sched = make_scheduler(opt, args.lr_schedule, args.warmup_steps, args.steps)
     torch.manual_seed(args.seed + 1000 * (rank + 1))  # this rank's dropout stream
-    sampler = ResumableSampler(args.samples, batch_size=args.batch_size, rank=rank,
-                               world_size=world, seed=args.seed)  # fmt: skip
+    sampler = ResumableSampler(
+        args.samples, batch_size=args.batch_size, rank=rank, world_size=world, seed=args.seed
+    )
     x, y = (t.to(device) for t in make_data(args.samples, args.seed))
     restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     log(f"start: world {world}, restart {restarts}, device {device}")
     step = _load(args, ddp, opt, sched, sampler, device, log)
     saves: Any = _backend(args)
     if args.async_save and args.sharded:  # after the load: a restart's first save must not race
-        from refimpl._train_async import AsyncSaves
+        from refimpl.train._async import AsyncSaves
 
         saves = AsyncSaves(args, log)
     elif args.async_save:
-        saves = _train_files.AsyncFileSaves(args, log)
-    watchdog = _train_watchdog.Watchdog(args.step_timeout)
+        saves = _files.AsyncFileSaves(args, log)
+    watchdog = _watchdog.Watchdog(args.step_timeout)
     if log.bar is not None:
         log.bar.update(step)
     batches = ResumableBatches(sampler)  # epoch after epoch, from where the sampler stands
@@ -231,7 +187,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device
             if step % args.save_every == 0 or stop or step == args.steps:
                 with watchdog.guard("save"):
                     if args.hang_in_save_at_step == step and rank == 0:
-                        _train_watchdog.hang_once(args.ckpt_dir, step, log)
+                        _watchdog.hang_once(args.ckpt_dir, step, log)
                     # Saved after the step, nothing fetched ahead: the position after
                     # every batch handed out so far is where a resume starts.
                     saves.save(args, ddp, opt, sched, batches.state_dict(), step, log)
@@ -266,9 +222,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     info = init_from_env(timeout_s=args.pg_timeout)
     if args.log_times:  # chapter 10's restart cost: where the seconds after a kill go
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        _Log(info.rank, times=True)(f"timing: restart {attempt} process "
-                                    f"{_train_watchdog.process_start():.6f} imported "
-                                    f"{imported:.6f} group {time.time():.6f}")  # fmt: skip
+        _Log(info.rank, times=True)(
+            f"timing: restart {attempt} process "
+            f"{_watchdog.process_start():.6f} imported "
+            f"{imported:.6f} group {time.time():.6f}"
+        )
     bar = None
     if info.rank == 0 and (
         args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
@@ -289,7 +247,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     if owns_group:  # only after a clean finish: tearing down a broken NCCL group can hang
         dist.destroy_process_group()
     return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,9 +9,7 @@ import os
 from collections.abc import Callable
 
 from refimpl.atomic import atomic_write_bytes
-
-FAULT_MARKER = "fault_injected_at_step_{step}"
-"""Name of the file `--fail-at-step` leaves in the checkpoint directory: the crash fires once."""
+from refimpl.train import FAULT_MARKER
 
 
 def inject_fault(ckpt_dir: str, step: int, log: Callable[[str], None]) -> None:

@@ -21,13 +21,13 @@ import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LRScheduler
 
-from refimpl._train_flags import sampler_entry
-from refimpl._train_sharded import trainer_state
 from refimpl.sharded import AsyncSaver
+from refimpl.train._flags import sampler_entry
+from refimpl.train._sharded import trainer_state
 
 
 class AsyncSaves:
-    """`refimpl._train_sharded.save`'s signature, in the background; ``close`` at the end.
+    """`refimpl.train._sharded.save`'s signature, in the background; ``close`` at the end.
 
     Create it on every rank (the saver's process group is made collectively)."""
 

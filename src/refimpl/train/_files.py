@@ -5,7 +5,7 @@ without the ``module.`` prefix, AdamW, the LR scheduler, the sampler position, e
 RNG) as one verified
 checkpoint; the other ranks wait for it with chapter 4's `main_process_first`. On a start,
 every rank reads the newest checkpoint that verifies, and the ranks check that they found
-the same one (`refimpl.trainstate.check_same_checkpoint`). `refimpl._train_sharded` has the
+the same one (`refimpl.trainstate.check_same_checkpoint`). `refimpl.train._sharded` has the
 same two functions for FSDP2. With ``--async-save``, `AsyncFileSaves` writes each
 checkpoint on rank 0 in the background instead (`refimpl.checkpoint.AsyncCheckpointer`).
 """
@@ -21,13 +21,13 @@ import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LRScheduler
 
-from refimpl._train_flags import refuse, reset_lr, resume_problems, sampler_entry
-from refimpl._train_restorable import misfit
-from refimpl._train_schedule import check_restored, flat_schedule
 from refimpl.checkpoint import AsyncCheckpointer, load_latest, save_checkpoint, step_dir_name
 from refimpl.data import ResumableSampler
 from refimpl.state import restore_state, unwrap_state_dict
 from refimpl.sync import main_process_first
+from refimpl.train._flags import refuse, reset_lr, resume_problems, sampler_entry
+from refimpl.train._restorable import misfit
+from refimpl.train._schedule import check_restored, flat_schedule
 from refimpl.trainstate import capture_every_rank, check_same_checkpoint, manifest_digest
 
 
@@ -43,9 +43,14 @@ def save(
     """Every rank captures its RNG, rank 0 writes the checkpoint, the others wait for it."""
     world = dist.get_world_size()
     # Every rank's RNG goes to rank 0 (each rank's dropout stream differs: keep all).
-    state = capture_every_rank(model, opt, scheduler=sched,
-                               sampler_state=sampler_entry(args, sampler_state),
-                               epoch=int(sampler_state["epoch"]), step=step)  # fmt: skip
+    state = capture_every_rank(
+        model,
+        opt,
+        scheduler=sched,
+        sampler_state=sampler_entry(args, sampler_state),
+        epoch=int(sampler_state["epoch"]),
+        step=step,
+    )
     # The other ranks wait here (not in the next step's all-reduce, under the training
     # timeout) and raise at once if rank 0's save fails: chapter 4.
     with main_process_first(timeout_s=args.save_timeout if world > 1 else None) as is_main:
@@ -124,19 +129,25 @@ def load(
     (0 without one); each step skipped goes to ``on_skip(step_dir, reason)``.
 
     A step that verifies but cannot be restored here (an entry that does not fit: an RNG
-    state of another size, a scheduler with other param groups; `refimpl._train_restorable`)
+    state of another size, a scheduler with other param groups; `refimpl.train._restorable`)
     is skipped like a damaged one, on every rank, and the step before it is tried."""
     rank, world = dist.get_rank(), dist.get_world_size()
     below: int | None = None
     digest: dict[str, str] = {}
     while True:
         digest.clear()
-        found = load_latest(args.ckpt_dir, map_location=device, on_skip=on_skip, below=below,
-                            on_load=lambda _, m: digest.update(d=manifest_digest(m)))  # fmt: skip
+        found = load_latest(
+            args.ckpt_dir,
+            map_location=device,
+            on_skip=on_skip,
+            below=below,
+            on_load=lambda _, m: digest.update(d=manifest_digest(m)),
+        )
         # Every rank reads the directory itself; on nodes without a shared filesystem (or with
         # one that lags) they can see different steps, and would then train different models.
-        check_same_checkpoint(None if found is None else found[0], digest.get("d"),
-                              ckpt_dir=args.ckpt_dir)  # fmt: skip
+        check_same_checkpoint(
+            None if found is None else found[0], digest.get("d"), ckpt_dir=args.ckpt_dir
+        )
         if found is None:
             return 0
         step, state = found[0], dict(found[1])
@@ -195,8 +206,7 @@ def _restore(
     """Restore ``state``; return restore_state's info and what failed (None: nothing)."""
     optimizer = None if "optimizer" in args.no_restore else opt
     try:
-        info = restore_state(state, model, optimizer, scheduler=sched, rank=rank,
-                             world_size=world)  # fmt: skip
+        info = restore_state(state, model, optimizer, scheduler=sched, rank=rank, world_size=world)
         if "data" not in args.no_restore:
             sampler.load_state_dict(info["sampler"])
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from refimpl._train_schedule import lr_factor
+from refimpl.train._schedule import lr_factor
 
 
 def sampler_entry(args: argparse.Namespace, position: Mapping[str, int]) -> dict[str, int]:
