@@ -20,7 +20,8 @@ DESCRIPTION = (
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The command line of ``python -m refimpl.train`` (see ``--help``)."""
+    """The command line of ``python -m refimpl.train`` (see ``--help``); exits 2 naming the
+    flag on a bad value. `main` reads it as one typed ``TrainConfig`` (``train/_config.py``)."""
     p = argparse.ArgumentParser(prog="python -m refimpl.train", description=DESCRIPTION)
     # Every value is checked here (exit 2 naming the flag), not where it is first used: a bad
     # --keep-last used to fail at the first save on every rank, and on every restart.

@@ -3,7 +3,6 @@ train, save; the package's docstring says what it guarantees."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -14,7 +13,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from refimpl import _startup_gc
 from refimpl.atomic import atomic_save
@@ -23,9 +21,11 @@ from refimpl.dirlock import DirLock
 from refimpl.launch import init_from_env
 from refimpl.preemption import StopOnSigterm
 from refimpl.sync import barrier_safe
-from refimpl.train import _files, _watchdog
+from refimpl.train import _watchdog
 from refimpl.train._args import parse_args
-from refimpl.train._interrupts import inject_fault
+from refimpl.train._backend import Backend, backend, saves
+from refimpl.train._config import TrainConfig
+from refimpl.train._hooks import Hooks
 from refimpl.train._resume import refuse_fresh_start
 from refimpl.train._schedule import make_scheduler
 
@@ -72,7 +72,8 @@ class _Log:
 
 
 def _load(
-    args: argparse.Namespace,
+    config: TrainConfig,
+    chosen: Backend,
     model: torch.nn.Module,
     opt: torch.optim.Optimizer,
     sched: Any,
@@ -90,86 +91,55 @@ def _load(
         skipped.append(f"{step_dir.name}: {why}")
         log(f"skipped {step_dir.name}: {why}")
 
-    step = int(_backend(args).load(args, model, opt, sched, sampler, device, log, on_skip))
+    step = int(chosen.load(config, model, opt, sched, sampler, device, log, on_skip))
     if not step:
         # Every rank decides from its own listing; one all-gather makes them stop together.
-        mine = refuse_fresh_start(args.ckpt_dir, args.sharded, skipped)
+        mine = refuse_fresh_start(config.ckpt_dir, config.sharded, skipped)
         found: list[str | None] = [None] * dist.get_world_size()
         dist.all_gather_object(found, mine)
         why = next((w for w in found if w), None)
         if why:
             raise RuntimeError(f"rank {dist.get_rank()}: {why}")
-        log(f"no checkpoint in {args.ckpt_dir}: starting at step 0")
+        log(f"no checkpoint in {config.ckpt_dir}: starting at step 0")
         return 0
-    without = f" WITHOUT {'+'.join(args.no_restore)}" if args.no_restore else ""
+    without = f" WITHOUT {'+'.join(config.no_restore)}" if config.no_restore else ""
     log(f"resumed from step_{step}{without}")
     return step
 
 
-def _backend(args: argparse.Namespace) -> Any:
-    """Where checkpoints go: one file by rank 0 (DDP), or a shard by every rank (FSDP2)."""
-    if not args.sharded:
-        return _files
-    # Imported only here: torch.distributed.checkpoint and DTensor add ~0.8 s of CPU to every
-    # worker's start (a third of it), and a torchrun restart pays it again on every rank.
-    from refimpl.train import _sharded
-
-    return _sharded
-
-
-def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device, log: _Log) -> int:
+def _train(config: TrainConfig, rank: int, world: int, device: torch.device, log: _Log) -> int:
     """The loop: build, restore, train, save; return 0 when done or stopped by SIGTERM."""
-    if args.fail_at_step is not None and args.fail_rank >= world:  # world is known only now
-        raise ValueError(
-            f"rank {rank}: --fail-rank {args.fail_rank} is not a rank of this "
-            f"world of {world}: pass 0..{world - 1}, or -1 for the last"
-        )
+    hooks = Hooks(config, rank, world, log)  # chapter 10's fault and debugging flags
     if world > 1:
-        barrier_safe(timeout_s=args.save_timeout)  # creates the save-wait group, once, now
-    ddp: torch.nn.Module
-    if args.sharded:
-        ddp = _backend(args).shard_model(make_model(args.seed, args.dropout), device)
-    else:
-        ddp = DDP(
-            make_model(args.seed, args.dropout).to(device),
-            device_ids=[device] if device.type == "cuda" else None,
-        )
+        barrier_safe(timeout_s=config.save_timeout)  # creates the save-wait group, once, now
+    chosen = backend(config)  # rank 0's file (DDP), or every rank's shard (FSDP2)
+    model = chosen.wrap_model(make_model(config.seed, config.dropout), device)
     _startup_gc.resume()
-    opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
-    sched = make_scheduler(opt, args.lr_schedule, args.warmup_steps, args.steps)
-    torch.manual_seed(args.seed + 1000 * (rank + 1))  # this rank's dropout stream
+    opt = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    sched = make_scheduler(opt, config.lr_schedule, config.warmup_steps, config.steps)
+    torch.manual_seed(config.seed + 1000 * (rank + 1))  # this rank's dropout stream
     sampler = ResumableSampler(
-        args.samples, batch_size=args.batch_size, rank=rank, world_size=world, seed=args.seed
+        config.samples, batch_size=config.batch_size, rank=rank, world_size=world, seed=config.seed
     )
-    x, y = (t.to(device) for t in make_data(args.samples, args.seed))
+    x, y = (t.to(device) for t in make_data(config.samples, config.seed))
     restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     log(f"start: world {world}, restart {restarts}, device {device}")
-    step = _load(args, ddp, opt, sched, sampler, device, log)
-    saves: Any = _backend(args)
-    if args.async_save and args.sharded:  # after the load: a restart's first save must not race
-        from refimpl.train._async import AsyncSaves
-
-        saves = AsyncSaves(args, log)
-    elif args.async_save:
-        saves = _files.AsyncFileSaves(args, log)
-    watchdog = _watchdog.Watchdog(args.step_timeout)
+    step = _load(config, chosen, model, opt, sched, sampler, device, log)
+    saver = saves(config, chosen, log)  # after the load: a restart's first save must not race
+    watchdog = _watchdog.Watchdog(config.step_timeout)
     if log.bar is not None:
         log.bar.update(step)
     batches = ResumableBatches(sampler)  # epoch after epoch, from where the sampler stands
     stats = torch.zeros(2, device=device)
     with StopOnSigterm() as sigterm:
-        while step < args.steps:
-            if args.fail_at_step == step + 1 and rank == args.fail_rank % world:
-                inject_fault(args.ckpt_dir, step + 1, log)
-            if args.sharded:
-                _backend(args).seed_step(args.seed, rank, step + 1)
+        while step < config.steps:
+            hooks.step_start(step + 1)
+            chosen.seed_step(config.seed, rank, step + 1)
             _, batch = next(batches)
-            if args.sample_log:  # step, epoch, indices: for checking that none is lost or repeated
-                with open(f"{args.sample_log}.rank{rank}", "a") as f:
-                    f.write(f"{step + 1} {sampler.epoch} {' '.join(map(str, batch))}\n")
+            hooks.batch(step + 1, sampler.epoch, batch)
             with watchdog.guard("step"):  # a step stuck past --step-timeout ends this worker
                 idx = torch.tensor(batch, device=device)
-                loss = torch.nn.functional.mse_loss(ddp(x[idx]), y[idx])
+                loss = torch.nn.functional.mse_loss(model(x[idx]), y[idx])
                 opt.zero_grad(set_to_none=True)
                 loss.backward()  # type: ignore[no-untyped-call]
                 opt.step()
@@ -180,29 +150,27 @@ def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device
                 stats[0], stats[1] = loss.detach(), float(sigterm.requested)
                 dist.all_reduce(stats)
             stop = bool(stats[1].item() > 0)
-            if rank == 0 and (step % args.log_every == 0 or stop or step == args.steps):
+            last = stop or step == config.steps
+            if rank == 0 and (step % config.log_every == 0 or last):
                 log(f"step {step} loss {stats[0].item() / world:.6f}")
             if log.bar is not None:
                 log.bar.update(1)
-            if step % args.save_every == 0 or stop or step == args.steps:
+            if step % config.save_every == 0 or last:
                 with watchdog.guard("save"):
-                    if args.hang_in_save_at_step == step and rank == 0:
-                        _watchdog.hang_once(args.ckpt_dir, step, log)
+                    hooks.save_start(step)
                     # Saved after the step, nothing fetched ahead: the position after
                     # every batch handed out so far is where a resume starts.
-                    saves.save(args, ddp, opt, sched, batches.state_dict(), step, log)
+                    saver.save(config, model, opt, sched, batches.state_dict(), step, log)
             if stop:
-                if args.async_save:
-                    saves.close()  # the step just saved must be committed before exit 0
+                saver.close()  # the step just saved must be committed before exit 0
                 log(f"SIGTERM: stopped after step {step}, checkpoint saved; exit 0")
                 return 0
-            time.sleep(args.step_sleep)
-    if args.async_save:
-        saves.close()  # the last step committed before the final weights say "done"
-    if args.final_weights:
-        weights = _backend(args).final_weights(ddp)  # a collective under FSDP2
+            hooks.step_end()
+    saver.close()  # the last step committed before the final weights say "done"
+    if config.final_weights:
+        weights = chosen.final_weights(model)  # a collective under FSDP2
         if rank == 0:
-            atomic_save(weights, args.final_weights)
+            atomic_save(weights, config.final_weights)
             log(f"final weights at step {step} written")
     barrier_safe()  # nobody leaves (and tears the group down) before rank 0 has written
     log(f"done: {step} steps")
@@ -217,10 +185,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     `refimpl.launch.spawn` (``spawn(main, 2, ["--steps", "10"])``), whose group it reuses.
     """
     imported = time.time()
-    args = parse_args(argv)
+    config = TrainConfig.from_namespace(parse_args(argv))
     owns_group = not dist.is_initialized()
-    info = init_from_env(timeout_s=args.pg_timeout)
-    if args.log_times:  # chapter 10's restart cost: where the seconds after a kill go
+    info = init_from_env(timeout_s=config.pg_timeout)
+    if config.log_times:  # chapter 10's restart cost: where the seconds after a kill go
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         _Log(info.rank, times=True)(
             f"timing: restart {attempt} process "
@@ -229,17 +197,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     bar = None
     if info.rank == 0 and (
-        args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
+        config.progress == "always" or (config.progress == "auto" and sys.stderr.isatty())
     ):
         from tqdm import tqdm
 
-        bar = tqdm(total=args.steps, desc="train", file=sys.stderr, dynamic_ncols=True)
+        bar = tqdm(total=config.steps, desc="train", file=sys.stderr, dynamic_ncols=True)
     try:
-        log = _Log(info.rank, bar, times=args.log_times)
+        log = _Log(info.rank, bar, times=config.log_times)
         # One run per --ckpt-dir: rank 0 holds its lock until the end; a second run (or a
         # directory that cannot be written) is refused here, before anything is loaded.
-        with DirLock(args.ckpt_dir):
-            code = _train(args, info.rank, info.world_size, info.device, log)
+        with DirLock(config.ckpt_dir):
+            code = _train(config, info.rank, info.world_size, info.device, log)
     finally:
         _startup_gc.resume()  # if _train stopped before wrapping the model
         if bar is not None:
