@@ -9,10 +9,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from refimpl import _train_files
-from refimpl._train_schedule import make_scheduler
 from refimpl.checkpoint import CheckpointError, save_checkpoint
 from refimpl.data import RandomOffsets, ResumableSampler
+from refimpl.train import _files
+from refimpl.train._schedule import make_scheduler
 from refimpl.trainstate import (
     CheckpointMismatch,
     capture_every_rank,
@@ -100,7 +100,7 @@ def train_files_load_from_own_dir(dirs: list[str]) -> Any:
                               lr_schedule="constant", warmup_steps=0, steps=8)  # fmt: skip
     sched = make_scheduler(opt, "constant", 0, 8)
     try:
-        step = _train_files.load(args, model, opt, sched, sampler, torch.device("cpu"), print,
+        step = _files.load(args, model, opt, sched, sampler, torch.device("cpu"), print,
                                  lambda d, why: None)  # fmt: skip
     except CheckpointMismatch as exc:
         return {"seen": exc.seen, "message": str(exc)}

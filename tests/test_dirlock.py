@@ -21,12 +21,12 @@ import pytest
 from _sharded_models import fresh, trained
 
 from refimpl._checkpoint_cli import main as cli_main
-from refimpl._train_resume import refuse_fresh_start
 from refimpl.atomic import remove_stale_temps
 from refimpl.checkpoint import CheckpointError, list_checkpoints, load_latest, save_checkpoint
 from refimpl.demos.faults import make_state
 from refimpl.dirlock import LOCK_FILE, DirLock, DirLocked, Holder, check_writable
 from refimpl.sharded import load_sharded, save_sharded
+from refimpl.train._resume import refuse_fresh_start
 
 _HOLD = """
 import os, sys, time

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from refimpl._train_watchdog import REAP_SIGNAL
 from refimpl.demos import restarts
 from refimpl.demos.restarts import PARTS, readme_runs, split_restarts, stuck_save
 from refimpl.demos.train import TrainRun
+from refimpl.train._watchdog import REAP_SIGNAL
 
 
 @pytest.mark.slow

@@ -76,7 +76,7 @@ def test_the_file_backend_trainer_starts_without_importing_dcp() -> None:
     # every worker torchrun (re)starts; only the sharded backend needs it.
     out = _python(
         "import sys\n"
-        "import refimpl.train, refimpl._train_files, refimpl.checkpoint\n"
+        "import refimpl.train, refimpl.train._files, refimpl.checkpoint\n"
         "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')))\n"
     )
     assert out == "[]", out

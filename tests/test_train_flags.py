@@ -1,4 +1,4 @@
-"""``refimpl.train`` resumed with flags that contradict its checkpoint (`refimpl._train_flags`).
+"""``refimpl.train`` resumed with flags that contradict its checkpoint (`refimpl.train._flags`).
 
 Another ``--lr`` used to train at the checkpoint's rate, ``--steps`` below the committed step
 said "done", another ``--samples`` continued the saved position in another dataset, another

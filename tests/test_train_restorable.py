@@ -1,6 +1,6 @@
 """``refimpl.train`` resuming a step that verifies but cannot be restored.
 
-`refimpl._train_restorable`: content that passes the digests can still not fit, an RNG state
+`refimpl.train._restorable`: content that passes the digests can still not fit, an RNG state
 of another size, a scheduler with other param groups (a step edited, or written by another
 trainer). Such a step crashed every restart although an older good step was on disk; now it
 is skipped on every rank, the reason logged, and the run resumes from the step before it.
@@ -85,10 +85,10 @@ def test_when_no_step_can_be_restored_the_trainer_stops_naming_each(tmp_path: Pa
 
 def rewrite_sharded_scheduler(ckpt: str, step: int) -> int:
     """Worker: re-save the sharded trainer's ``step`` with a scheduler of two param groups."""
-    from refimpl._train_schedule import make_scheduler
-    from refimpl._train_sharded import shard_model
     from refimpl.sharded import load_sharded, save_sharded
     from refimpl.train import make_model
+    from refimpl.train._schedule import make_scheduler
+    from refimpl.train._sharded import shard_model
 
     model = shard_model(make_model(3), torch.device("cpu"))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)

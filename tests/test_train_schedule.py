@@ -1,4 +1,4 @@
-"""``refimpl.train --lr-schedule`` (`refimpl._train_schedule`): the multiplier, its state
+"""``refimpl.train --lr-schedule`` (`refimpl.train._schedule`): the multiplier, its state
 round trip, and an exact resume with the schedule on (the file backend here;
 tests/test_train_sharded.py has ``--sharded``, with and without ``--async-save``)."""
 
@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from refimpl._train_schedule import MIN_LR_RATIO, check_restored, lr_factor, make_scheduler
 from refimpl.checkpoint import list_checkpoints, load_latest
 from refimpl.demos.train import same_weights
 from refimpl.launch import spawn
 from refimpl.train import main, parse_args
+from refimpl.train._schedule import MIN_LR_RATIO, check_restored, lr_factor, make_scheduler
 
 LR = 1e-2
 

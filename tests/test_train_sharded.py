@@ -1,11 +1,11 @@
-"""Chapter 10 with ``--sharded`` (`refimpl._train_sharded`): FSDP2 and DCP checkpoints.
+"""Chapter 10 with ``--sharded`` (`refimpl.train._sharded`): FSDP2 and DCP checkpoints.
 
 A worker killed under torchrun is restarted and the run ends bit-identical to one never
 interrupted; a resume that leaves out the optimizer does not. A run saved at 2 ranks and
 resumed at 3 finishes, and every sample of the interrupted epoch is trained exactly once
 (the sample indices each rank trained are logged by ``--sample-log`` and counted here).
-With ``--async-save`` and a warmup + cosine schedule (`refimpl._train_async`,
-`refimpl._train_schedule`): every save commits, SIGTERM waits for the stop step's commit, and
+With ``--async-save`` and a warmup + cosine schedule (`refimpl.train._async`,
+`refimpl.train._schedule`): every save commits, SIGTERM waits for the stop step's commit, and
 a resume after SIGTERM or a SIGKILL is bit-identical.
 """
 

@@ -65,7 +65,7 @@ def test_a_timer_fifo_with_a_reader_is_accepted(
 
 _WORKER = """
 import os, resource, sys, time
-from refimpl._train_watchdog import Watchdog
+from refimpl.train._watchdog import Watchdog
 from refimpl.atomic import atomic_write_bytes
 watchdog = Watchdog(float(sys.argv[2]))
 resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))  # ulimit -f: a real file-size limit
@@ -101,7 +101,7 @@ def test_a_file_size_limit_is_an_error_and_only_the_timer_server_ends_the_worker
 
     from torch.distributed.elastic.timer import FileTimerServer
 
-    from refimpl._train_watchdog import REAP_SIGNAL
+    from refimpl.train._watchdog import REAP_SIGNAL
 
     assert signal.getsignal(REAP_SIGNAL) == signal.SIG_IGN  # Python's start-up default
     fifo = tmp_path / "timer"

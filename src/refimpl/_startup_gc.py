@@ -1,14 +1,13 @@
 """Start-up without the cyclic garbage collector, for the programs torchrun (re)starts.
 
 A worker of `refimpl.train` or of the chaos toy trainers (`refimpl.demos.chaos_trainers`)
-builds about 460,000 long-lived objects that Python's cyclic collector tracks while it starts:
-250,000 importing torch, most of the rest when ``DistributedDataParallel`` wraps the model
-(torch 2.13's ``DistributedDataParallel.__init__`` reads a dynamo setting, distributed.py line
-842, which imports ``torch._dynamo`` and sympy). The collector walks them again and again
-while they are built, and every restart pays for it again. Paused until the model is wrapped,
-then frozen (``gc.freeze``: never walked again, they live as long as the process), a 12-step
-`refimpl.train` run on one rank took 2.1 CPU-seconds instead of 3.2 here, and a chaos toy
-trainer 1.8 instead of 2.6 (chapter 10, "What a restart costs").
+builds hundreds of thousands of long-lived objects that Python's cyclic collector tracks while
+it starts: importing torch, then wrapping the model in ``DistributedDataParallel`` (torch 2.13's
+``DistributedDataParallel.__init__`` reads a dynamo setting, distributed.py line 842, which
+imports ``torch._dynamo`` and sympy). The collector walks them again and again while they are
+built, and every restart pays for it again. `pause` turns it off until the model is wrapped;
+`resume` then freezes them (``gc.freeze``: never walked again, they live as long as the
+process). Chapter 10 ("What a restart costs") measures what it saves.
 
 Only for a program's own start: `pause` does nothing unless its caller is ``__main__``, so a
 module imported as a library (by tests, by `refimpl.launch.spawn`) leaves the collector alone.

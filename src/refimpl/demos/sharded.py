@@ -27,11 +27,11 @@ from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from refimpl._train_sharded import shard_model
 from refimpl.atomic import atomic_save
 from refimpl.checkpoint import safe_load
 from refimpl.launch import spawn
 from refimpl.sharded import load_sharded, save_sharded
+from refimpl.train._sharded import shard_model
 
 LIMITS: dict[str, Any] = {"timeout_s": 120.0, "pg_timeout_s": 20.0}
 """The demos' `spawn` limits: the job's and every collective's timeout, in seconds."""

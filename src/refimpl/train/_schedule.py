@@ -11,12 +11,13 @@ command line, so a resumed run with the same flags takes the same learning rates
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections.abc import Callable
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
+
+from refimpl.train._config import TrainConfig
 
 MIN_LR_RATIO = 0.1
 """Where the cosine ends, as a fraction of ``--lr`` (the usual floor of LLM recipes)."""
@@ -44,9 +45,9 @@ def lr_factor(kind: str, warmup: int, total: int) -> Callable[[int], float]:
     return factor
 
 
-def flat_schedule(args: argparse.Namespace) -> bool:
-    """Whether ``args`` ask for a multiplier of 1 at every step (the default)."""
-    return bool(args.lr_schedule == "constant" and args.warmup_steps == 0)
+def flat_schedule(config: TrainConfig) -> bool:
+    """Whether ``config`` ask for a multiplier of 1 at every step (the default)."""
+    return bool(config.lr_schedule == "constant" and config.warmup_steps == 0)
 
 
 def make_scheduler(opt: torch.optim.Optimizer, kind: str, warmup: int, total: int) -> LambdaLR:

@@ -5,34 +5,44 @@ without the ``module.`` prefix, AdamW, the LR scheduler, the sampler position, e
 RNG) as one verified
 checkpoint; the other ranks wait for it with chapter 4's `main_process_first`. On a start,
 every rank reads the newest checkpoint that verifies, and the ranks check that they found
-the same one (`refimpl.trainstate.check_same_checkpoint`). `refimpl._train_sharded` has the
+the same one (`refimpl.trainstate.check_same_checkpoint`). `refimpl.train._sharded` has the
 same two functions for FSDP2. With ``--async-save``, `AsyncFileSaves` writes each
 checkpoint on rank 0 in the background instead (`refimpl.checkpoint.AsyncCheckpointer`).
 """
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.lr_scheduler import LRScheduler
 
-from refimpl._train_flags import refuse, reset_lr, resume_problems, sampler_entry
-from refimpl._train_restorable import misfit
-from refimpl._train_schedule import check_restored, flat_schedule
 from refimpl.checkpoint import AsyncCheckpointer, load_latest, save_checkpoint, step_dir_name
 from refimpl.data import ResumableSampler
 from refimpl.state import restore_state, unwrap_state_dict
 from refimpl.sync import main_process_first
+from refimpl.train._config import TrainConfig
+from refimpl.train._flags import refuse, reset_lr, resume_problems, sampler_entry
+from refimpl.train._restorable import misfit
+from refimpl.train._schedule import check_restored, flat_schedule
 from refimpl.trainstate import capture_every_rank, check_same_checkpoint, manifest_digest
 
 
+def wrap_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """DDP over every rank, the model moved to ``device``."""
+    return DDP(model.to(device), device_ids=[device] if device.type == "cuda" else None)
+
+
+def seed_step(seed: int, rank: int, step: int) -> None:
+    """Nothing: every rank's RNG is saved and restored with the checkpoint."""
+
+
 def save(
-    args: argparse.Namespace,
+    config: TrainConfig,
     model: torch.nn.Module,
     opt: torch.optim.Optimizer,
     sched: LRScheduler,
@@ -43,16 +53,25 @@ def save(
     """Every rank captures its RNG, rank 0 writes the checkpoint, the others wait for it."""
     world = dist.get_world_size()
     # Every rank's RNG goes to rank 0 (each rank's dropout stream differs: keep all).
-    state = capture_every_rank(model, opt, scheduler=sched,
-                               sampler_state=sampler_entry(args, sampler_state),
-                               epoch=int(sampler_state["epoch"]), step=step)  # fmt: skip
+    state = capture_every_rank(
+        model,
+        opt,
+        scheduler=sched,
+        sampler_state=sampler_entry(config, sampler_state),
+        epoch=int(sampler_state["epoch"]),
+        step=step,
+    )
     # The other ranks wait here (not in the next step's all-reduce, under the training
     # timeout) and raise at once if rank 0's save fails: chapter 4.
-    with main_process_first(timeout_s=args.save_timeout if world > 1 else None) as is_main:
+    with main_process_first(timeout_s=config.save_timeout if world > 1 else None) as is_main:
         if is_main:
             assert state is not None  # rank 0 gets the state
-            path = save_checkpoint(args.ckpt_dir, state, step, keep_last=args.keep_last)
+            path = save_checkpoint(config.ckpt_dir, state, step, keep_last=config.keep_last)
             log(f"saved {path.name}")
+
+
+def close() -> None:
+    """Nothing to wait for: `save` returns once its step is committed."""
 
 
 class AsyncFileSaves:
@@ -64,12 +83,12 @@ class AsyncFileSaves:
     the last committed step. ``close`` waits for the last save (before the final weights,
     and before an exit 0 after SIGTERM: the trainer's own SIGTERM flag does the stopping)."""
 
-    def __init__(self, args: argparse.Namespace, log: Callable[[str], None]) -> None:
+    def __init__(self, config: TrainConfig, log: Callable[[str], None]) -> None:
         self._log = log
         self._saver = None
         if dist.get_rank() == 0:
             self._saver = AsyncCheckpointer(
-                args.ckpt_dir, keep_last=args.keep_last, wait_on_sigterm=False
+                config.ckpt_dir, keep_last=config.keep_last, wait_on_sigterm=False
             )
 
     def _wait(self) -> None:
@@ -79,7 +98,7 @@ class AsyncFileSaves:
 
     def save(
         self,
-        args: argparse.Namespace,
+        config: TrainConfig,
         model: torch.nn.Module,
         opt: torch.optim.Optimizer,
         sched: LRScheduler,
@@ -111,7 +130,7 @@ class AsyncFileSaves:
 
 
 def load(
-    args: argparse.Namespace,
+    config: TrainConfig,
     model: torch.nn.Module,
     opt: torch.optim.Optimizer,
     sched: LRScheduler,
@@ -124,52 +143,58 @@ def load(
     (0 without one); each step skipped goes to ``on_skip(step_dir, reason)``.
 
     A step that verifies but cannot be restored here (an entry that does not fit: an RNG
-    state of another size, a scheduler with other param groups; `refimpl._train_restorable`)
+    state of another size, a scheduler with other param groups; `refimpl.train._restorable`)
     is skipped like a damaged one, on every rank, and the step before it is tried."""
     rank, world = dist.get_rank(), dist.get_world_size()
     below: int | None = None
     digest: dict[str, str] = {}
     while True:
         digest.clear()
-        found = load_latest(args.ckpt_dir, map_location=device, on_skip=on_skip, below=below,
-                            on_load=lambda _, m: digest.update(d=manifest_digest(m)))  # fmt: skip
+        found = load_latest(
+            config.ckpt_dir,
+            map_location=device,
+            on_skip=on_skip,
+            below=below,
+            on_load=lambda _, m: digest.update(d=manifest_digest(m)),
+        )
         # Every rank reads the directory itself; on nodes without a shared filesystem (or with
         # one that lags) they can see different steps, and would then train different models.
-        check_same_checkpoint(None if found is None else found[0], digest.get("d"),
-                              ckpt_dir=args.ckpt_dir)  # fmt: skip
+        check_same_checkpoint(
+            None if found is None else found[0], digest.get("d"), ckpt_dir=config.ckpt_dir
+        )
         if found is None:
             return 0
         step, state = found[0], dict(found[1])
-        if "rng" in args.no_restore:
+        if "rng" in config.no_restore:
             state["rng"] = None
-        why = _every_rank(_misfit(args, state, model, opt, rank, world))
+        why = _every_rank(_misfit(config, state, model, opt, rank, world))
         if why is None:
             # Checked before anything is restored: a flag that contradicts the step names the fix.
-            problems = resume_problems(args, step, _base_lrs(state), _sampler(state))
-            refuse(problems, rank, args.ckpt_dir)
-            info, failed = _restore(args, state, model, opt, sched, sampler, rank, world)
+            problems = resume_problems(config, step, _base_lrs(state), _sampler(state))
+            refuse(problems, rank, config.ckpt_dir)
+            info, failed = _restore(config, state, model, opt, sched, sampler, rank, world)
             why = _every_rank(failed)
         if why is None:
             break
-        on_skip(Path(args.ckpt_dir) / step_dir_name(step), f"verified, but {why}")
+        on_skip(Path(config.ckpt_dir) / step_dir_name(step), f"verified, but {why}")
         below = step  # the older steps, restored over whatever this one had set
-    if args.reset_lr:
-        reset_lr(args, sched, opt, step, log)
-    check_restored(sched, opt, step, args.ckpt_dir, flat=flat_schedule(args))
+    if config.reset_lr:
+        reset_lr(config, sched, opt, step, log)
+    check_restored(sched, opt, step, config.ckpt_dir, flat=flat_schedule(config))
     if info["world_size"] != world:
         log(f"checkpoint is from {info['world_size']} ranks: RNG streams start afresh")
     return step
 
 
 def _misfit(
-    args: argparse.Namespace,
+    config: TrainConfig,
     state: Mapping[str, Any],
     model: torch.nn.Module,
     opt: torch.optim.Optimizer,
     rank: int,
     world: int,
 ) -> str | None:
-    skip = args.no_restore
+    skip = config.no_restore
     why = misfit(
         state,
         model,
@@ -183,7 +208,7 @@ def _misfit(
 
 
 def _restore(
-    args: argparse.Namespace,
+    config: TrainConfig,
     state: Mapping[str, Any],
     model: torch.nn.Module,
     opt: torch.optim.Optimizer,
@@ -193,11 +218,10 @@ def _restore(
     world: int,
 ) -> tuple[dict[str, Any], str | None]:
     """Restore ``state``; return restore_state's info and what failed (None: nothing)."""
-    optimizer = None if "optimizer" in args.no_restore else opt
+    optimizer = None if "optimizer" in config.no_restore else opt
     try:
-        info = restore_state(state, model, optimizer, scheduler=sched, rank=rank,
-                             world_size=world)  # fmt: skip
-        if "data" not in args.no_restore:
+        info = restore_state(state, model, optimizer, scheduler=sched, rank=rank, world_size=world)
+        if "data" not in config.no_restore:
             sampler.load_state_dict(info["sampler"])
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
         return {}, f"cannot be restored on rank {rank} ({type(exc).__name__}: {exc})"

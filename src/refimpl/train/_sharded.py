@@ -4,9 +4,9 @@ Every rank holds and writes only its shard of the weights and the optimizer stat
 (`refimpl.sharded.save_sharded`, committed when every rank's files are durable), and a start
 at any world size loads and reshards it. What the DDP path keeps in rank 0's file besides the
 weights travels here in ``state=``, in the same commit, the same on every rank: the step, the
-sampler's global position and the LR scheduler (`refimpl._train_schedule`), which is all an
+sampler's global position and the LR scheduler (`refimpl.train._schedule`), which is all an
 exact resume at another world size needs. ``--async-save`` hands the same arguments to an
-`refimpl.sharded.AsyncSaver` instead (`refimpl._train_async`).
+`refimpl.sharded.AsyncSaver` instead (`refimpl.train._async`).
 
 Dropout's RNG is not saved, so there is no `refimpl.sharded.PerRank` entry: a rank's stream is
 re-seeded from (seed, rank, step) at every step, so a resumed step draws what the
@@ -16,7 +16,6 @@ streams, differ anyway).
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -28,13 +27,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.optim.lr_scheduler import LRScheduler
 
-from refimpl._train_flags import refuse, reset_lr, resume_problems, sampler_entry
-from refimpl._train_restorable import scheduler_misfit
-from refimpl._train_resume import refuse_fresh_start
-from refimpl._train_schedule import check_restored, flat_schedule
 from refimpl.checkpoint import list_checkpoints, step_dir_name
 from refimpl.data import ResumableSampler
 from refimpl.sharded import ShardedCheckpointError, load_sharded, save_sharded
+from refimpl.train._config import TrainConfig
+from refimpl.train._flags import refuse, reset_lr, resume_problems, sampler_entry
+from refimpl.train._restorable import scheduler_misfit
+from refimpl.train._resume import refuse_fresh_start
+from refimpl.train._schedule import check_restored, flat_schedule
 
 
 def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -49,6 +49,11 @@ def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module
     return model
 
 
+def wrap_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """The trainer's `shard_model`."""
+    return shard_model(model, device)
+
+
 def seed_step(seed: int, rank: int, step: int) -> None:
     """This rank's dropout stream for ``step``: a function of where we are, not of history."""
     torch.manual_seed((seed * 1_000_003 + rank) * 1_000_003 + step)
@@ -58,12 +63,12 @@ def trainer_state(
     sched: LRScheduler, sampler_state: Mapping[str, int], step: int
 ) -> dict[str, Any]:
     """The ``state=`` of a save: equal on every rank, so each entry is shared (saved once).
-    ``sampler_state``: the trainer's sampler entry (`refimpl._train_flags.sampler_entry`)."""
+    ``sampler_state``: the trainer's sampler entry (`refimpl.train._flags.sampler_entry`)."""
     return {"step": step, "sampler": dict(sampler_state), "scheduler": sched}
 
 
 def save(
-    args: argparse.Namespace,
+    config: TrainConfig,
     model: torch.nn.Module,
     opt: torch.optim.Optimizer,
     sched: LRScheduler,
@@ -72,14 +77,18 @@ def save(
     log: Callable[[str], None],
 ) -> None:
     """Collective: every rank writes its shard; rank 0 commits the step when all are durable."""
-    state = trainer_state(sched, sampler_entry(args, sampler_state), step)
-    path = save_sharded(args.ckpt_dir, model, opt, step, keep_last=args.keep_last, state=state)
+    state = trainer_state(sched, sampler_entry(config, sampler_state), step)
+    path = save_sharded(config.ckpt_dir, model, opt, step, keep_last=config.keep_last, state=state)
     if dist.get_rank() == 0:
         log(f"saved {path.name}")
 
 
+def close() -> None:
+    """Nothing to wait for: `save` returns once its step is committed."""
+
+
 def load(
-    args: argparse.Namespace,
+    config: TrainConfig,
     model: torch.nn.Module,
     opt: torch.optim.Optimizer,
     sched: LRScheduler,
@@ -91,15 +100,15 @@ def load(
     """Collective: load the newest good step at this world size, less ``--no-restore``;
     return it (0 without one; each step skipped goes to ``on_skip``). Rank 0 picks the step
     for everyone; DCP reshards. When committed steps exist and none loads, 0 too, the load's
-    error passed to ``on_skip``: the caller (`refimpl._train_resume.refuse_fresh_start`) then
+    error passed to ``on_skip``: the caller (`refimpl.train._resume.refuse_fresh_start`) then
     stops, naming the reason or the flag."""
-    Path(args.ckpt_dir).mkdir(parents=True, exist_ok=True)  # a new run's root: a fresh start
+    Path(config.ckpt_dir).mkdir(parents=True, exist_ok=True)  # a new run's root: a fresh start
     state: dict[str, Any] = {"step": None, "sampler": None, "scheduler": sched}
-    optimizer = None if "optimizer" in args.no_restore else opt
+    optimizer = None if "optimizer" in config.no_restore else opt
     try:
-        step = load_sharded(args.ckpt_dir, model, optimizer, state=state, on_skip=on_skip)
+        step = load_sharded(config.ckpt_dir, model, optimizer, state=state, on_skip=on_skip)
     except ShardedCheckpointError as err:
-        if refuse_fresh_start(args.ckpt_dir, True, []) is None:
+        if refuse_fresh_start(config.ckpt_dir, True, []) is None:
             raise
         on_skip(err.path, str(err))  # the reason the caller's refusal names
         return 0
@@ -107,18 +116,20 @@ def load(
         return 0
     why = _misfit(state, step, opt)
     if why is not None:  # it verified, but does not fit: fall back as past a damaged step
-        found = _older(args, model, optimizer, opt, state, step, why, on_skip)
+        found = _older(config, model, optimizer, opt, state, step, why, on_skip)
         if found is None:
             return 0  # the caller stops, with every step's reason
         step = found
     # The model is in memory, nothing is trained or written: refuse a flag that contradicts
     # the step before the first step (the sampler's own seed check would say it in its words).
     base_lrs = [float(lr) for lr in sched.base_lrs]
-    refuse(resume_problems(args, step, base_lrs, state["sampler"]), dist.get_rank(), args.ckpt_dir)
-    if args.reset_lr:
-        reset_lr(args, sched, opt, step, log)
-    check_restored(sched, opt, step, args.ckpt_dir, flat=flat_schedule(args))
-    if "data" not in args.no_restore:
+    refuse(
+        resume_problems(config, step, base_lrs, state["sampler"]), dist.get_rank(), config.ckpt_dir
+    )
+    if config.reset_lr:
+        reset_lr(config, sched, opt, step, log)
+    check_restored(sched, opt, step, config.ckpt_dir, flat=flat_schedule(config))
+    if "data" not in config.no_restore:
         sampler.load_state_dict(state["sampler"])
     return step
 
@@ -136,7 +147,7 @@ def _misfit(state: Mapping[str, Any], step: int, opt: torch.optim.Optimizer) -> 
 
 
 def _older(
-    args: argparse.Namespace,
+    config: TrainConfig,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
     opt: torch.optim.Optimizer,
@@ -147,7 +158,7 @@ def _older(
 ) -> int | None:
     """Collective: report ``step`` as skipped, then load the newest older step that loads and
     fits, one step directory at a time (rank 0's listing); return it, or None."""
-    root = Path(args.ckpt_dir)
+    root = Path(config.ckpt_dir)
     on_skip(root / step_dir_name(step), f"verified, but cannot be restored: {why}")
     listing: list[list[str] | None] = [None]
     if dist.get_rank() == 0:

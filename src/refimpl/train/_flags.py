@@ -15,53 +15,53 @@ a step saved before it was added is not checked for ``--samples``.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from refimpl._train_schedule import lr_factor
+from refimpl.train._config import TrainConfig
+from refimpl.train._schedule import lr_factor
 
 
-def sampler_entry(args: argparse.Namespace, position: Mapping[str, int]) -> dict[str, int]:
+def sampler_entry(config: TrainConfig, position: Mapping[str, int]) -> dict[str, int]:
     """The sampler state a checkpoint holds: the position and the dataset size it counts in."""
-    return {**position, "samples": int(args.samples)}
+    return {**position, "samples": int(config.samples)}
 
 
 def resume_problems(
-    args: argparse.Namespace,
+    config: TrainConfig,
     step: int,
     base_lrs: Sequence[float] | None,
     sampler: Mapping[str, Any] | None,
 ) -> list[str]:
-    """What in ``args`` contradicts the step being resumed (``step``, its scheduler's
+    """What in ``config`` contradicts the step being resumed (``step``, its scheduler's
     ``base_lrs``, its sampler entry), each with the flag to pass; empty when nothing does."""
     problems = []
-    if step > args.steps:
+    if step > config.steps:
         problems.append(
-            f"step_{step} is past --steps {args.steps}: the run already trained {step} steps. "
+            f"step_{step} is past --steps {config.steps}: the run already trained {step} steps. "
             f"Pass --steps {step} or more to continue it, or another --ckpt-dir for a new run"
         )
     saved_lr = float(base_lrs[0]) if base_lrs else None
-    if saved_lr is not None and saved_lr != args.lr and not args.reset_lr:
+    if saved_lr is not None and saved_lr != config.lr and not config.reset_lr:
         problems.append(
-            f"step_{step} was trained at lr {saved_lr:g}, not --lr {args.lr:g}: pass --lr "
+            f"step_{step} was trained at lr {saved_lr:g}, not --lr {config.lr:g}: pass --lr "
             f"{saved_lr:g}, or --reset-lr to apply the new one"
         )
     sampler = sampler or {}
     seed = sampler.get("seed")
-    if type(seed) is int and seed != args.seed:
+    if type(seed) is int and seed != config.seed:
         problems.append(
             f"step_{step} was trained with --seed {seed} (its weights, sample order and "
-            f"dropout streams), not --seed {args.seed}: pass --seed {seed}, or another "
+            f"dropout streams), not --seed {config.seed}: pass --seed {seed}, or another "
             "--ckpt-dir for a new run"
         )
     samples = sampler.get("samples")
-    if type(samples) is int and samples != args.samples:
+    if type(samples) is int and samples != config.samples:
         problems.append(
-            f"step_{step} was trained on --samples {samples}, not --samples {args.samples}: "
+            f"step_{step} was trained on --samples {samples}, not --samples {config.samples}: "
             f"its data position (epoch {sampler.get('epoch')}, sample "
             f"{sampler.get('position')}) counts in that dataset. Pass --samples {samples}, "
             "or another --ckpt-dir for a new run"
@@ -79,7 +79,7 @@ def refuse(problems: Sequence[str], rank: int, ckpt_dir: str) -> None:
 
 
 def reset_lr(
-    args: argparse.Namespace,
+    config: TrainConfig,
     sched: LRScheduler,
     opt: torch.optim.Optimizer,
     step: int,
@@ -88,13 +88,13 @@ def reset_lr(
     """``--reset-lr``: the restored scheduler takes ``--lr`` as its base rate from ``step``
     on (the schedule's multiplier is unchanged), and the optimizer's groups follow."""
     old = [float(lr) for lr in sched.base_lrs]
-    if all(lr == args.lr for lr in old):
+    if all(lr == config.lr for lr in old):
         return
-    factor = lr_factor(args.lr_schedule, args.warmup_steps, args.steps)(step)
+    factor = lr_factor(config.lr_schedule, config.warmup_steps, config.steps)(step)
     state = sched.state_dict()
-    state["base_lrs"] = [args.lr] * len(old)
-    state["_last_lr"] = [args.lr * factor] * len(old)
+    state["base_lrs"] = [config.lr] * len(old)
+    state["_last_lr"] = [config.lr * factor] * len(old)
     sched.load_state_dict(state)
     for group in opt.param_groups:
-        group["initial_lr"] = args.lr
-    log(f"--reset-lr: step_{step} was trained at lr {old[0]:g}; training on at --lr {args.lr:g}")
+        group["initial_lr"] = config.lr
+    log(f"--reset-lr: step_{step} was trained at lr {old[0]:g}; training on at --lr {config.lr:g}")

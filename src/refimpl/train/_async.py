@@ -14,25 +14,25 @@ rank's files are durable, so the restart resumes from the one before, bit-identi
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LRScheduler
 
-from refimpl._train_flags import sampler_entry
-from refimpl._train_sharded import trainer_state
 from refimpl.sharded import AsyncSaver
+from refimpl.train._config import TrainConfig
+from refimpl.train._flags import sampler_entry
+from refimpl.train._sharded import trainer_state
 
 
 class AsyncSaves:
-    """`refimpl._train_sharded.save`'s signature, in the background; ``close`` at the end.
+    """`refimpl.train._sharded.save`'s signature, in the background; ``close`` at the end.
 
     Create it on every rank (the saver's process group is made collectively)."""
 
-    def __init__(self, args: argparse.Namespace, log: Callable[[str], None]) -> None:
-        self._saver = AsyncSaver(timeout_s=args.save_timeout)
+    def __init__(self, config: TrainConfig, log: Callable[[str], None]) -> None:
+        self._saver = AsyncSaver(timeout_s=config.save_timeout)
         self._log = log
         self._rank = dist.get_rank()
 
@@ -43,7 +43,7 @@ class AsyncSaves:
 
     def save(
         self,
-        args: argparse.Namespace,
+        config: TrainConfig,
         model: torch.nn.Module,
         opt: torch.optim.Optimizer,
         sched: LRScheduler,
@@ -53,8 +53,8 @@ class AsyncSaves:
     ) -> None:
         """Wait for the save in flight, then start this one and return once it is staged."""
         self._wait()
-        state = trainer_state(sched, sampler_entry(args, sampler_state), step)
-        self._saver.save(args.ckpt_dir, model, opt, step, keep_last=args.keep_last, state=state)
+        state = trainer_state(sched, sampler_entry(config, sampler_state), step)
+        self._saver.save(config.ckpt_dir, model, opt, step, keep_last=config.keep_last, state=state)
         if self._rank == 0:
             log(f"saving step {step} in the background")
 
