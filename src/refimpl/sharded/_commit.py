@@ -26,7 +26,7 @@ from refimpl.atomic import (
     _fsync,
     atomic_write,
 )
-from refimpl.checkpoint import _STEP_RE, DIGEST, MANIFEST, CheckpointError
+from refimpl.checkpoint._files import _STEP_RE, DIGEST, MANIFEST, CheckpointError
 from refimpl.sharded._dcp_metadata import SHARD_NAME_RE, UnsafeMetadata, check_metadata
 from refimpl.sharded._seen import Seen, after_hashing, before_hashing
 

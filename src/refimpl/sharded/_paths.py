@@ -20,7 +20,7 @@ from typing import Any
 
 from refimpl._regular_file import is_regular
 from refimpl.atomic import COMMIT_MARKER
-from refimpl.checkpoint import _STEP_RE, MANIFEST, CheckpointError, list_checkpoints
+from refimpl.checkpoint._files import _STEP_RE, MANIFEST, CheckpointError, list_checkpoints
 from refimpl.sharded._commit import Expected, verify_step
 from refimpl.sharded._seen import Seen
 

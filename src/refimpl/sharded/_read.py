@@ -35,7 +35,7 @@ from torch.futures import Future
 
 from refimpl._regular_file import open_regular
 from refimpl.atomic import DIGESTS
-from refimpl.checkpoint import DIGEST
+from refimpl.checkpoint._files import DIGEST
 from refimpl.sharded._ranges import read_ranges
 from refimpl.sharded._seen import Seen, after_hashing, before_hashing, unchanged
 
