@@ -13,9 +13,9 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
-from refimpl._sharded_commit import digest_files, write_manifest
 from refimpl.atomic import COMMIT_MARKER
 from refimpl.checkpoint import MANIFEST
+from refimpl.sharded._commit import digest_files, write_manifest
 
 
 def _rewrite(step_dir: Path, metadata: Metadata) -> None:

@@ -10,12 +10,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import refimpl._sharded_load
-import refimpl._sharded_seen
 import refimpl.sharded
+import refimpl.sharded._api
+import refimpl.sharded._load
+import refimpl.sharded._seen
 from refimpl.data import ResumableSampler
 from refimpl.demos.sharded import full_state, max_abs_diff, shard, tiny_model, train
 from refimpl.sharded import AsyncSaver, PerRank, load_sharded, save_sharded
+from refimpl.sharded._paths import Choice
 
 
 def shard_changed_after_rank0_checked(
@@ -24,10 +26,10 @@ def shard_changed_after_rank0_checked(
     """Save steps 1 and 2 of an FSDP2 model at 2 ranks; then rank 0 verifies step 2 and, right
     after, one byte of rank 1's shard file changes (what rank 1 would see if its node had
     another copy). Returns ``(step loaded, max |diff| vs step 1 on rank 0, skip reasons)``.
-    ``racy_s``: `refimpl._sharded_seen.RACY_S` for this load, after waiting twice as long, so
+    ``racy_s``: `refimpl.sharded._seen.RACY_S` for this load, after waiting twice as long, so
     that rank 0 records what it saw of each file (else every rank hashes a just-saved file)."""
     if racy_s is not None:
-        refimpl._sharded_seen.RACY_S = racy_s
+        refimpl.sharded._seen.RACY_S = racy_s
     model = shard(tiny_model(0))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     train(model, opt, range(1, 3))
@@ -38,19 +40,19 @@ def shard_changed_after_rank0_checked(
     if racy_s is not None:
         time.sleep(2 * racy_s)
 
-    real = refimpl.sharded.choose_step
+    real = refimpl.sharded._api.choose_step
 
-    def verify_then_change(path: Path, below: int | None = None) -> Any:
+    def verify_then_change(path: Path, below: int | None = None) -> Choice:
         chosen = real(path, below)
-        if chosen[1] is not None and chosen[1].endswith("step_00000002"):
-            shard_file = Path(chosen[1]) / "__1_0.distcp"
+        if chosen.step_dir is not None and chosen.step_dir.endswith("step_00000002"):
+            shard_file = Path(chosen.step_dir) / "__1_0.distcp"
             data = bytearray(shard_file.read_bytes())
             data[len(data) // 2] ^= 0x10
             shard_file.write_bytes(bytes(data))
         return chosen
 
     if dist.get_rank() == 0:
-        refimpl.sharded.choose_step = verify_then_change  # type: ignore[assignment]
+        refimpl.sharded._api.choose_step = verify_then_change  # type: ignore[assignment]
     target = shard(tiny_model(99))
     target_opt = torch.optim.Adam(target.parameters(), lr=1e-2)
     skipped: list[str] = []
@@ -59,7 +61,7 @@ def shard_changed_after_rank0_checked(
             ckpt_dir, target, target_opt, on_skip=lambda d, why: skipped.append(f"{d.name}: {why}")
         )
     finally:
-        refimpl.sharded.choose_step = real
+        refimpl.sharded._api.choose_step = real
     loaded = full_state(target, target_opt)
     diff = max_abs_diff(loaded, step1) if dist.get_rank() == 0 else 0.0
     return step, diff, skipped
@@ -190,7 +192,7 @@ def state_load_fails_on_one_rank(ckpt_dir: str) -> dict[str, Any]:
     before = copy.deepcopy(full_state(target, target_opt))  # on rank 0; {} on rank 1
     mine = [p.to_local().detach().clone() for p in target.parameters()]  # this rank's shards
     out: dict[str, Any] = {}
-    real = refimpl._sharded_load.set_state_dict
+    real = refimpl.sharded._load.set_state_dict
 
     def fails_on_rank1(*args: Any, **kwargs: Any) -> Any:
         if dist.get_rank() == 1:
@@ -201,11 +203,11 @@ def state_load_fails_on_one_rank(ckpt_dir: str) -> dict[str, Any]:
         b = RefusesOnRank1(0) if attempt == "load_state_dict" else Counter(0)
         state: dict[str, Any] = {"a": Counter(0), "b": b, "step": None}
         if attempt == "set_state_dict":
-            refimpl._sharded_load.set_state_dict = fails_on_rank1  # type: ignore[assignment]
+            refimpl.sharded._load.set_state_dict = fails_on_rank1  # type: ignore[assignment]
         try:
             outcome = _outcome(ckpt_dir, target, target_opt, state)
         finally:
-            refimpl._sharded_load.set_state_dict = real  # type: ignore[assignment]
+            refimpl.sharded._load.set_state_dict = real  # type: ignore[assignment]
         local = zip(target.parameters(), mine, strict=True)
         moved = max(
             max_abs_diff(full_state(target, target_opt), before),

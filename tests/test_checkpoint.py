@@ -333,7 +333,7 @@ def test_numpy_and_tensor_steps_are_accepted_floats_refused(tmp_path: Path) -> N
 
 def test_ctrl_c_during_a_resave_keeps_the_old_copy(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     save_checkpoint(tmp_path, {"meta": {"v": 1}}, 3)
-    import refimpl.checkpoint as ck
+    import refimpl.checkpoint._files as ck
 
     def interrupted(f, state, on_key=None):  # type: ignore[no-untyped-def]
         raise KeyboardInterrupt
@@ -405,7 +405,7 @@ def test_a_hostile_manifest_is_skipped_with_a_reason(tmp_path: Path, kind: str) 
 
 
 def test_an_io_error_while_hashing_falls_back(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    import refimpl.checkpoint as ck
+    import refimpl.checkpoint._files as ck
 
     save_checkpoint(tmp_path, make_state(1, 100), 1)
     save_checkpoint(tmp_path, make_state(2, 100), 2)
@@ -756,7 +756,7 @@ def test_a_format_2_step_written_by_the_old_code_still_loads(tmp_path: Path) -> 
 
 
 def test_load_of_some_keys_unpickles_only_their_ranges(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    import refimpl.checkpoint as ck
+    import refimpl.checkpoint._files as ck
 
     state = {"model": {"w": torch.ones(1000)}, "optim": {"s": torch.zeros(2000)}, "meta": {"v": 3}}
     step_dir = save_checkpoint(tmp_path, state, 1)
@@ -782,7 +782,7 @@ def test_load_latest_keys_reads_the_config_before_the_model_is_built(
     """``load_latest(keys=["config"])``: the newest step's config, and only its range of the
     pack unpickled. A newest step without the key raises naming the keys it has, rather than
     falling back to an older step that has one."""
-    import refimpl.checkpoint as ck
+    import refimpl.checkpoint._files as ck
 
     save_checkpoint(tmp_path, {"config": {"n_layer": 2}, "model": {"w": torch.ones(9)}}, 1)
     step_dir = save_checkpoint(

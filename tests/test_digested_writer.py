@@ -1,4 +1,4 @@
-"""refimpl._digested_writer: DCP's writer without torch.save's per-record CRC-32, in the
+"""refimpl.sharded._digested_writer: DCP's writer without torch.save's per-record CRC-32, in the
 writing thread only, producing files that plain ``dcp.load`` reads."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from refimpl._digested_writer import DigestedWriter
-from refimpl._low_priority import LowPriorityWriter
+from refimpl.sharded._digested_writer import DigestedWriter
+from refimpl.sharded._low_priority import LowPriorityWriter
 
 
 def _save_seeing_crc(

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import refimpl.checkpoint as ck
+import refimpl.checkpoint._async as async_module
 from refimpl.checkpoint import (
     AsyncCheckpointer,
     CheckpointError,
@@ -70,7 +71,7 @@ def test_at_most_one_save_is_in_flight(tmp_path: Path, monkeypatch: pytest.Monke
         assert release.wait(60)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ck, "save_checkpoint", held)
+    monkeypatch.setattr(async_module, "save_checkpoint", held)
     saver = AsyncCheckpointer(tmp_path)
     saver.save(_state(1.0), 1)
     assert started.wait(60) and not saver.done()

@@ -1,5 +1,5 @@
-"""refimpl._low_priority and AsyncSaver's writer_nice (chapter 9): the background threads that
-write and commit run at the requested nice value, the training thread never changes
+"""refimpl.sharded._low_priority and AsyncSaver's writer_nice (chapter 9): the background
+threads that write and commit run at the requested nice value, the training thread never changes
 priority, and what they write is a plain DCP checkpoint."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from refimpl._low_priority import LowPriorityWriter, lower_thread_priority
-from refimpl._paced_writer import PacedWriter
 from refimpl.sharded import AsyncSaver, load_sharded
+from refimpl.sharded._low_priority import LowPriorityWriter, lower_thread_priority
+from refimpl.sharded._paced_writer import PacedWriter
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice is Linux's")
 
@@ -112,7 +112,7 @@ def test_async_saver_writes_and_commits_from_low_priority_threads(tmp_path: Path
         before = _nice()
         default = AsyncSaver()  # the measured choice: the trainer's priority (chapter 9)
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr("refimpl._sharded_async.PacedWriter", _ObservedPaced)
+            mp.setattr("refimpl.sharded._async.PacedWriter", _ObservedPaced)
             default.save(tmp_path / "default", model, opt, 1).result(timeout=60)
         default_commit_nice = default._pool.submit(_nice).result()
         default.close()
@@ -120,7 +120,7 @@ def test_async_saver_writes_and_commits_from_low_priority_threads(tmp_path: Path
         _Observed.seen = []
         saver = AsyncSaver(writer_nice=13, writer_cpu_share=0.5)
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr("refimpl._sharded_async.PacedWriter", _ObservedPaced)
+            mp.setattr("refimpl.sharded._async.PacedWriter", _ObservedPaced)
             path = saver.save(tmp_path / "ckpt", model, opt, 1).result(timeout=60)
         commit_nice = saver._pool.submit(_nice).result()
         saver.close()

@@ -1,4 +1,4 @@
-"""refimpl._paced_writer: a background DCP write handed to the kernel in 1 MiB pieces, with
+"""refimpl.sharded._paced_writer: a background DCP write handed to the kernel in 1 MiB pieces, with
 sleeps that keep the writing thread's CPU time under its share of the wall time; files that
 plain ``dcp.load`` reads; a synchronous save left unpaced."""
 
@@ -15,8 +15,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from refimpl import _paced_writer, _pacer
-from refimpl._paced_writer import (
+from refimpl import _pacer
+from refimpl.sharded import _paced_writer
+from refimpl.sharded._paced_writer import (
     MAX_SLEEP_S,
     MIN_CPU_SHARE,
     PIECE_BYTES,

@@ -27,7 +27,6 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from refimpl._checkpoint_cli import main as cli_main
-from refimpl._dcp_metadata import UnsafeMetadata, check_metadata
 from refimpl.atomic import COMMIT_MARKER
 from refimpl.checkpoint import MANIFEST, CheckpointError, safe_load, save_checkpoint
 from refimpl.demos.sharded import (
@@ -49,6 +48,7 @@ from refimpl.sharded import (
     save_sharded,
     verify_sharded,
 )
+from refimpl.sharded._dcp_metadata import UnsafeMetadata, check_metadata
 
 
 @pytest.mark.timeout(60)

@@ -39,7 +39,7 @@ _SCRIPT = """
         AsyncSaver(writer_cpu_share=0.01).save(sys.argv[1], model, opt, 7)
     else:  # "stuck": the write never returns (a dead NFS server), the saver's timeout 2 s
         import threading
-        from refimpl import _paced_writer
+        from refimpl.sharded import _paced_writer
         _paced_writer._PacedStream.write = lambda self, data: threading.Event().wait()
         AsyncSaver(writer_cpu_share=0.5, timeout_s=2).save(sys.argv[1], model, opt, 7)
     print("script done", flush=True)

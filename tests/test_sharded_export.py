@@ -20,12 +20,12 @@ import torch
 from _sharded_models import fresh, trained
 from safetensors.torch import load_file
 
-import refimpl._sharded_export as export_mod
+import refimpl.sharded._export as export_mod
 from refimpl._checkpoint_cli import main as cli_main
-from refimpl._sharded_export import INDEX, SINGLE, clean_name, parse_size
 from refimpl.checkpoint import CheckpointError, safe_load
 from refimpl.demos.sharded import tiny_model
 from refimpl.sharded import consolidate, export_hf, load_sharded, save_sharded
+from refimpl.sharded._export import INDEX, SINGLE, clean_name, parse_size
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -158,7 +158,7 @@ def test_a_kill_mid_export_leaves_no_complete_looking_export(tmp_path: Path) -> 
     out = tmp_path / "hf"
     script = textwrap.dedent(f"""
         import os, signal
-        import refimpl._sharded_export as m
+        import refimpl.sharded._export as m
         real = m._save_file
         def save_then_die(tensors, path):
             real(tensors, path)

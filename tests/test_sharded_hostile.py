@@ -24,8 +24,7 @@ from _sharded_models import fresh, trained
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-import refimpl.sharded as sharded_module
-from refimpl._sharded_commit import digest_files, write_manifest
+import refimpl.sharded._api as sharded_module
 from refimpl.checkpoint import MANIFEST, load_latest, save_checkpoint
 from refimpl.demos.sharded import full_state, max_abs_diff, train
 from refimpl.launch import spawn
@@ -36,6 +35,8 @@ from refimpl.sharded import (
     save_sharded,
     verify_sharded,
 )
+from refimpl.sharded._commit import digest_files, write_manifest
+from refimpl.sharded._paths import Choice
 
 
 def _global(module: str, name: str) -> bytes:
@@ -175,7 +176,7 @@ def test_a_deeply_nested_manifest_is_skipped_with_a_reason(tmp_path: Path) -> No
 
 
 def test_build_is_refused_on_anything_but_dcp_dataclass_fields() -> None:
-    from refimpl._dcp_metadata import UnsafeMetadata, parse_metadata
+    from refimpl.sharded._dcp_metadata import UnsafeMetadata, parse_metadata
 
     field_names = {f.name for f in dataclasses.fields(dcp_filesystem._StorageInfo)}
     assert "__class__" not in field_names
@@ -279,7 +280,7 @@ def test_a_full_disk_during_a_sharded_save_is_named(tmp_path: Path) -> None:
 @pytest.mark.parametrize("racy_s", [None, 0.2], ids=["just-saved", "seen-by-rank-0"])
 def test_each_rank_verifies_the_shards_it_reads(tmp_path: Path, racy_s: float | None) -> None:
     """Whether rank 1 hashes its file itself (just saved) or relies on rank 0's record of it
-    (`refimpl._sharded_seen`), a byte changed after rank 0's check is caught on rank 1."""
+    (`refimpl.sharded._seen`), a byte changed after rank 0's check is caught on rank 1."""
     from _sharded_workers import shard_changed_after_rank0_checked
 
     results = spawn(
@@ -312,9 +313,9 @@ def test_what_is_loaded_is_what_was_verified_in_one_process(tmp_path: Path) -> N
     data[len(data) // 2] ^= 0x10  # after the check: a plain re-read would load this silently
     real = sharded_module.choose_step
 
-    def verify_then_change(path: Path, below: int | None = None) -> Any:
+    def verify_then_change(path: Path, below: int | None = None) -> Choice:
         chosen = real(path, below)
-        if chosen[1] == str(step2):
+        if chosen.step_dir == str(step2):
             shard_file.write_bytes(bytes(data))
         return chosen
 
@@ -360,9 +361,9 @@ def test_only_the_file_rank_0_hashed_unchanged_on_this_machine_is_not_hashed_aga
     change is caught)."""
     import time
 
-    import refimpl._sharded_load as load_module
-    import refimpl._sharded_seen as seen_module
-    from refimpl._sharded_read import VerifyingReader
+    import refimpl.sharded._load as load_module
+    import refimpl.sharded._seen as seen_module
+    from refimpl.sharded._read import VerifyingReader
 
     readers: list[VerifyingReader] = []
 

@@ -1,4 +1,4 @@
-"""refimpl._sharded_ranges: a load that reads only the bytes each read item needs gives the
+"""refimpl.sharded._ranges: a load that reads only the bytes each read item needs gives the
 same tensors as DCP's own per-item path (torch.load of the whole chunk, then narrow), for
 every layout DCP can write; anything it does not recognise is left to DCP's path."""
 
@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from refimpl._sharded_ranges import Layout, _fill, locate, read_ranges
+from refimpl.sharded._ranges import Layout, _fill, locate, read_ranges
 
 FILE = "__0_0.distcp"
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 from _sharded_models import trained
 
-from refimpl._dcp_metadata import check_metadata
 from refimpl.atomic import COMMIT_MARKER
 from refimpl.checkpoint import MANIFEST, load_latest, save_checkpoint
 from refimpl.sharded import ShardedCheckpointError, load_sharded, save_sharded
+from refimpl.sharded._dcp_metadata import check_metadata
 
 
 def _fifo(path: Path) -> None:

@@ -43,8 +43,10 @@ from refimpl.checkpoint import (
     load_checkpoint,
     verify_checkpoint,
 )
+from refimpl.sharded import export_hf, inspect_sharded
+from refimpl.sharded._commit import verify_step
 
-SHARDED_FORMAT = "refimpl.sharded/1"  # refimpl._sharded_commit.FORMAT, without importing DCP
+SHARDED_FORMAT = "refimpl.sharded/1"  # refimpl.sharded._commit.FORMAT, without importing DCP
 
 
 def _size(path: Path) -> str:
@@ -76,8 +78,6 @@ def _is_sharded(step_dir: Path) -> bool:
 
 def _verifier(step_dir: Path) -> Callable[[Path], dict[str, Any]]:
     if _is_sharded(step_dir):
-        from refimpl._sharded_commit import verify_step
-
         return verify_step
     return verify_checkpoint
 
@@ -215,8 +215,6 @@ def _describe(value: Any, prefix: str, lines: list[str], limit: int = 40) -> Non
 
 def _sharded_report(step_dir: Path) -> list[str]:
     """What `refimpl.sharded.inspect_sharded` finds, as lines: header, state names, keys."""
-    from refimpl._sharded_inspect import inspect_sharded
-
     info = inspect_sharded(step_dir)
     lines = [
         f"{step_dir}: step {info['step']}, format {info['format']}, saved by "
@@ -259,8 +257,6 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
 
 
 def _cmd_export_hf(step_dir: Path, out_dir: Path, dtype: str, max_size: str | None) -> int:
-    from refimpl._sharded_export import export_hf
-
     try:
         files = export_hf(step_dir, out_dir, dtype=_DTYPES[dtype], max_shard_bytes=max_size)
     except CheckpointError as exc:

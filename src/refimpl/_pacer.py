@@ -1,5 +1,5 @@
 """Pacing a background writer to a share of one core: shared by chapter 9's sharded writer
-(`refimpl._paced_writer`) and the file checkpoints' `refimpl.checkpoint.AsyncCheckpointer`.
+(`refimpl.sharded._paced_writer`) and the file checkpoints' `refimpl.checkpoint.AsyncCheckpointer`.
 
 A writer calls `Pacer.wait` after each piece (`PIECE_BYTES`) it hands the kernel; the pacer
 sleeps while the writing thread's CPU time is ahead of its share of the wall time. Shares below
@@ -62,7 +62,7 @@ def check_cpu_share(share: float | None) -> None:
 def stop_pacing() -> None:
     """End every paced write's sleep now and pace nothing from here on, in this process.
 
-    Called when the process exits (`refimpl._async_handle`): a save still writing then
+    Called when the process exits (`refimpl.sharded._async_handle`): a save still writing then
     finishes at full speed instead of keeping the process alive for its sleeps."""
     _UNPACED.set()
 

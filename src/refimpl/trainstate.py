@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from refimpl.atomic import COMMIT_MARKER
-from refimpl.checkpoint import CheckpointError, _log_skip, load_latest
+from refimpl.checkpoint import CheckpointError, load_latest
+from refimpl.checkpoint._files import _log_skip
 from refimpl.data import ResumableSampler
 from refimpl.state import capture_grads, capture_rng, capture_state, restore_state
 

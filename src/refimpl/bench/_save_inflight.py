@@ -3,12 +3,13 @@
 A small MLP trains on the benchmark's process while a staged ``dcp.async_save`` of the state
 is written in the background by one of five writers (`WRITERS`): DCP's thread checkpointer
 as it comes (a write call per tensor record; `AsyncSaver`'s default), the same thread at a
-lower CPU priority (``refimpl._low_priority.LowPriorityWriter``), the thread writing in 1 MiB
-pieces without pacing (``refimpl._paced_writer.PacedWriter`` with ``cpu_share=1``), the same
-paced to `PACED_SHARE` of a core (``AsyncSaver(writer_cpu_share=...)``), and DCP's process
-checkpointer (a daemon with an interpreter and a GIL of its own). Steps alone and steps
-during each kind of save are measured interleaved, the order rotating every round, so load
-from elsewhere on a shared machine hits every kind alike.
+lower CPU priority (``refimpl.sharded._low_priority.LowPriorityWriter``), the thread writing
+in 1 MiB pieces without pacing (``refimpl.sharded._paced_writer.PacedWriter`` with
+``cpu_share=1``), the same paced to `PACED_SHARE` of a core
+(``AsyncSaver(writer_cpu_share=...)``), and DCP's process checkpointer (a daemon with an
+interpreter and a GIL of its own). Steps alone and steps during each kind of save are
+measured interleaved, the order rotating every round, so load from elsewhere on a shared
+machine hits every kind alike.
 
 Beside the step times: the CPU seconds the writing thread spent per save (thread writers),
 the training time lost per save (the steps' excess over a step alone, summed), and how long a
@@ -32,9 +33,9 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.storage import WriteResult
 
-from refimpl._paced_writer import PacedWriter
 from refimpl.bench import summarize
 from refimpl.bench._save_files import FileSave
+from refimpl.sharded._paced_writer import PacedWriter
 
 __all__ = ["LOW_NICE", "PACED_SHARE", "WRITERS", "gil_wait", "step_times"]
 

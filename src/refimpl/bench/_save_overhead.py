@@ -18,7 +18,7 @@ equal.
   reuses its staging buffers after the first save (pinned and shared memory off: there is no
   GPU here);
 - ``dcp_async_staged_low``: the same, written by
-  ``refimpl._low_priority.LowPriorityWriter``: the writing thread at nice 19, as
+  ``refimpl.sharded._low_priority.LowPriorityWriter``: the writing thread at nice 19, as
   `AsyncSaver` writes;
 - ``dcp_async_process``: the same, with ``async_checkpointer_type=AsyncCheckpointerType.PROCESS``:
   the write runs in DCP's checkpoint daemon (a spawned process with its own interpreter, so
@@ -54,12 +54,12 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from refimpl._low_priority import LowPriorityWriter
 from refimpl.atomic import atomic_save
 from refimpl.bench import summarize
 from refimpl.bench._save_files import Timed, file_methods, timed_sync
 from refimpl.bench._save_inflight import LOW_NICE
 from refimpl.checkpoint import AsyncCheckpointer
+from refimpl.sharded._low_priority import LowPriorityWriter
 
 __all__ = ["METHODS", "make_stager", "measure_size", "one_rank_group"]
 

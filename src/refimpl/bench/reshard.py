@@ -4,8 +4,8 @@ An FSDP2 model of ``--size-mb`` of float32 parameters (``d x d`` linear layers) 
 with `refimpl.sharded.save_sharded` at 2, 3 and 4 gloo ranks; then, at each world size W,
 every one of those checkpoints is loaded with `refimpl.sharded.load_sharded`, one cold round
 and ``--repeats`` timed rounds, and in each round twice: as refimpl reads now (each tensor
-item's needed bytes only, `refimpl._sharded_ranges`; no second hash of a file rank 0 just
-hashed on this machine, `refimpl._sharded_seen`) and as it read before (every file hashed
+item's needed bytes only, `refimpl.sharded._ranges`; no second hash of a file rank 0 just
+hashed on this machine, `refimpl.sharded._seen`) and as it read before (every file hashed
 by every rank that reads it, each item through DCP's own per-item path), side by side.
 
 The like-for-like comparison is at the same loading world size: a checkpoint saved at A != W
@@ -34,11 +34,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from refimpl._sharded_read import VerifyingReader
 from refimpl.bench import summarize, write_json
 from refimpl.demos.sharded import shard
 from refimpl.launch import spawn
 from refimpl.sharded import load_sharded, save_sharded
+from refimpl.sharded._read import VerifyingReader
 
 WORLDS = (2, 3, 4)
 GOAL = 0.8  # resharded load throughput / same-world-size load throughput

@@ -35,10 +35,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from refimpl._sharded_commit import METADATA, digest_files, write_manifest
 from refimpl.demos.sharded import LIMITS, failing_writes, max_abs_diff, shard, tiny_model
 from refimpl.launch import spawn
 from refimpl.sharded import load_sharded, save_sharded
+from refimpl.sharded._commit import METADATA, digest_files, write_manifest
 
 __all__ = [
     "crafted_metadata_demo",

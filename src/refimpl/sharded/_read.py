@@ -34,10 +34,10 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from refimpl._regular_file import open_regular
-from refimpl._sharded_ranges import read_ranges
-from refimpl._sharded_seen import Seen, after_hashing, before_hashing, unchanged
 from refimpl.atomic import DIGESTS
-from refimpl.checkpoint import DIGEST
+from refimpl.checkpoint._files import DIGEST
+from refimpl.sharded._ranges import read_ranges
+from refimpl.sharded._seen import Seen, after_hashing, before_hashing, unchanged
 
 _CHUNK = 1 << 20
 
@@ -82,7 +82,7 @@ class VerifyingReader(FileSystemReader):
     fails the plan exchange on every rank before a single tensor is copied, and
     `refimpl.sharded.load_sharded` falls back to an older step.
 
-    ``seen`` (`refimpl._sharded_seen`): what rank 0 recorded of each file while hashing it.
+    ``seen`` (`refimpl.sharded._seen`): what rank 0 recorded of each file while hashing it.
     A descriptor that shows, on rank 0's machine, the same inode with the same size and
     times is the file rank 0 hashed, unchanged: it is not hashed again. Any other (another
     machine, another inode, a write since, a file changed just before rank 0 looked) is.
@@ -90,7 +90,7 @@ class VerifyingReader(FileSystemReader):
     """
 
     legacy_reads: ClassVar[bool] = False
-    """True: read as refimpl did before `refimpl._sharded_ranges` and `seen`: every file
+    """True: read as refimpl did before `refimpl.sharded._ranges` and `seen`: every file
     hashed by every rank that reads it, every item through DCP's own per-item path
     (``python -m refimpl.bench reshard`` measures both ways side by side)."""
 
@@ -107,7 +107,7 @@ class VerifyingReader(FileSystemReader):
         self.hashed: list[str] = []
         """The files this rank hashed itself (the others: unchanged since rank 0 did)."""
         self.records: dict[str, Seen] = {}
-        """What this rank saw of each file it hashed (`refimpl._sharded_seen`), so that a
+        """What this rank saw of each file it hashed (`refimpl.sharded._seen`), so that a
         second load of the same step in this process need not hash it again."""
         self._metadata = metadata
         self._opened: dict[str, IO[bytes]] = {}
@@ -162,7 +162,7 @@ class VerifyingReader(FileSystemReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read the plan from the verified files, each tensor item's needed bytes only
-        (`refimpl._sharded_ranges`); what that cannot place goes through DCP's own path."""
+        (`refimpl.sharded._ranges`); what that cannot place goes through DCP's own path."""
         try:
             if self.legacy_reads:
                 return super().read_data(plan, planner)

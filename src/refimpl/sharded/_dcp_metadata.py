@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from refimpl._regular_file import read_regular
 from refimpl.atomic import DIGESTS
-from refimpl.checkpoint import DIGEST
+from refimpl.checkpoint._files import DIGEST
 
 _ALLOWED_MODULES = (
     "torch.distributed.checkpoint.metadata",

@@ -18,17 +18,17 @@ from typing import Any
 import torch
 
 from refimpl import __version__
-from refimpl._dcp_metadata import SHARD_NAME_RE, UnsafeMetadata, check_metadata
 from refimpl._manifest import MAX_MANIFEST_BYTES
 from refimpl._regular_file import is_regular, open_regular, read_regular
-from refimpl._sharded_seen import Seen, after_hashing, before_hashing
 from refimpl.atomic import (
     COMMIT_MARKER,
     DIGESTS,
     _fsync,
     atomic_write,
 )
-from refimpl.checkpoint import _STEP_RE, DIGEST, MANIFEST, CheckpointError
+from refimpl.checkpoint._files import _STEP_RE, DIGEST, MANIFEST, CheckpointError
+from refimpl.sharded._dcp_metadata import SHARD_NAME_RE, UnsafeMetadata, check_metadata
+from refimpl.sharded._seen import Seen, after_hashing, before_hashing
 
 FORMAT = "refimpl.sharded/1"
 """The ``format`` of a sharded step's manifest (refimpl.checkpoint's manifests are ints)."""
@@ -151,7 +151,7 @@ def verify_step(step_dir: Path, seen: dict[str, Seen] | None = None) -> dict[str
     finally ``.metadata`` through the allowlist unpickler (`check_metadata`), which also
     checks that every item points inside a listed shard. Raises `CheckpointError` naming the
     step or file and the first problem; any other error a crafted step provokes becomes one.
-    ``seen``, if given, receives the `refimpl._sharded_seen.Seen` record of each data file
+    ``seen``, if given, receives the `refimpl.sharded._seen.Seen` record of each data file
     hashed here (for `refimpl.sharded.load_sharded`'s other ranks).
     """
     try:

@@ -26,19 +26,19 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from refimpl import _sharded_state
-from refimpl._dcp_metadata import UnsafeMetadata, check_metadata
-from refimpl._sharded_commit import METADATA, Expected
-from refimpl._sharded_errors import LOAD_ADVICE, ShardedCheckpointError, dcp_errors
-from refimpl._sharded_group import Group, quiet_no_dist
-from refimpl._sharded_read import (
+from refimpl.sharded import _state
+from refimpl.sharded._commit import METADATA, Expected
+from refimpl.sharded._dcp_metadata import UnsafeMetadata, check_metadata
+from refimpl.sharded._errors import LOAD_ADVICE, ShardedCheckpointError, dcp_errors
+from refimpl.sharded._group import Group, quiet_no_dist
+from refimpl.sharded._read import (
     VerifyingReader,
     WeightsOnlyLoadPlanner,
     _few,
     check_keys,
     check_kinds,
 )
-from refimpl._sharded_seen import Seen
+from refimpl.sharded._seen import Seen
 
 logger = logging.getLogger("refimpl.sharded")
 
@@ -131,12 +131,12 @@ def _apply_agreed(
     state: Mapping[str, Any],
     values: Mapping[str, Any],
     skipped: list[str],
-    applied: _sharded_state.Applied,
+    applied: _state.Applied,
 ) -> None:
     """Put the ``state=`` values in place on every rank, or on none: when any rank's
     ``load_state_dict`` raises, every rank puts its entries back and raises one error."""
     try:
-        _sharded_state.apply(state, values, skipped, applied)
+        _state.apply(state, values, skipped, applied)
         mine = None
     except Exception as exc:
         mine = str(exc)
@@ -196,19 +196,22 @@ def _set_agreed(
 def load_step(
     group: Group,
     step_dir: Path,
-    expected: Expected,
-    saved_world: int,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
+    *,
+    expected: Expected,
+    saved_world: int,
     state: Mapping[str, Any] | None = None,
     exclude: Sequence[str | re.Pattern[str]] = (),
     seen: Mapping[str, Seen] | None = None,
 ) -> None:
     """Load ``step_dir`` into ``model``, ``optimizer`` and ``state``. A step refused before
     anything was loaded raises `ShardedCheckpointError` with ``unsafe`` set (the caller falls
-    back); a step that does not fit raises one without. ``exclude``d model entries (and
-    their optimizer state) are not planned, so DCP never reads them, and keep their values.
-    ``seen``: rank 0's records of the files it hashed (`refimpl._sharded_seen`).
+    back); a step that does not fit raises one without. ``expected``: the verified
+    manifest's {file: (bytes, digest)}; ``saved_world``: the world size that saved the step
+    (0 when unknown). ``exclude``d model entries (and their optimizer state) are not planned,
+    so DCP never reads them, and keep their values. ``seen``: rank 0's records of the files
+    it hashed (`refimpl.sharded._seen`).
 
     The ``state=`` entries are read (a ``dcp.load`` of their bytes only), decoded and put in
     place first, on every rank or on none (`_apply_agreed`); then DCP reads the model and
@@ -235,12 +238,12 @@ def load_step(
     planned = _without(target, excluded)
     wanted: dict[str, Any] = {}
     skipped: list[str] = []
-    applied = _sharded_state.Applied(state or {})
+    applied = _state.Applied(state or {})
     if state:
         same_world = saved_world in (0, group.size)
         saved = set(metadata.state_dict_metadata)
-        wanted, missing, skipped = _sharded_state.targets(state, group.rank, same_world, saved)
-        shared_names, rank_names, _ranks = _sharded_state.names_in(sorted(saved))
+        wanted, missing, skipped = _state.targets(state, group.rank, same_world, saved)
+        shared_names, rank_names, _ranks = _state.names_in(sorted(saved))
         mine = (
             f"rank {group.rank}: no entry {', '.join(missing)} (the step has shared "
             f"{shared_names} and per-rank {rank_names})"
@@ -261,7 +264,7 @@ def load_step(
         seen = {**(seen or {}), **reader.records}  # what this rank just hashed: not again
         values: dict[str, Any] = {}
         try:
-            values, mine = _sharded_state.decode(wanted), None
+            values, mine = _state.decode(wanted), None
         except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as exc:
             mine = f"rank {group.rank}: a state entry is not weights-only ({exc})"
         _refuse(group, step_dir, mine, "refused before anything was set", unsafe=True)

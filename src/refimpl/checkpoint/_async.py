@@ -41,6 +41,7 @@ import torch
 from refimpl._manifest import as_step, refusal
 from refimpl._pacer import Pacer, check_cpu_share, lower_thread_priority
 from refimpl._pack import paced
+from refimpl.checkpoint._files import CheckpointError, save_checkpoint, step_dir_name
 
 __all__ = ["AsyncCheckpointer"]
 
@@ -202,8 +203,6 @@ class AsyncCheckpointer:
         as ``ckpt_dir/step_N``; return that path (published once the write commits)."""
         if self._closed:
             raise RuntimeError("this AsyncCheckpointer is closed; create a new one")
-        from refimpl.checkpoint import CheckpointError, step_dir_name
-
         step = as_step(step)
         final = self.ckpt_dir / step_dir_name(step)
         problem = refusal(state)  # a bad value is the caller's error now, not a step later
@@ -215,8 +214,6 @@ class AsyncCheckpointer:
         return final
 
     def _write(self, staged: dict[str, Any], step: int) -> Path:
-        from refimpl.checkpoint import save_checkpoint  # imports this module: not at the top
-
         pacer = None if self.writer_cpu_share is None else Pacer(self.writer_cpu_share)
         if pacer is not None:
             pacer.start()

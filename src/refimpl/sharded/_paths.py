@@ -14,22 +14,40 @@ Nothing here talks to other ranks: `refimpl.sharded` broadcasts rank 0's `Choice
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from refimpl._regular_file import is_regular
-from refimpl._sharded_commit import Expected, verify_step
-from refimpl._sharded_seen import Seen
 from refimpl.atomic import COMMIT_MARKER
-from refimpl.checkpoint import _STEP_RE, MANIFEST, CheckpointError, list_checkpoints
+from refimpl.checkpoint._files import _STEP_RE, MANIFEST, CheckpointError, list_checkpoints
+from refimpl.sharded._commit import Expected, verify_step
+from refimpl.sharded._seen import Seen
 
-Choice = tuple[
-    int | None, str | None, list[tuple[str, str]], str | None, bool, Expected, int, dict[str, Seen]
-]
-"""What rank 0 tells every rank to load: ``(step, step dir, [(skipped dir, why)], fatal
-error, whether ``path`` named one step, the verified manifest's {file: (bytes, digest)}, the
-world size that saved it (0 when unknown), {data file: what rank 0 saw of it while hashing
-it} (`refimpl._sharded_seen`))``."""
+
+@dataclass(frozen=True)
+class Choice:
+    """What rank 0 tells every rank to load; `refimpl.sharded` broadcasts it.
+
+    ``step`` and ``step_dir`` are None when there is nothing to load: a fresh start, or,
+    with ``fatal`` set, an error every rank raises.
+    """
+
+    step: int | None = None
+    step_dir: str | None = None
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    """(step directory, why) for each newer step that did not verify."""
+    fatal: str | None = None
+    """The error every rank raises instead of loading, or None."""
+    single: bool = False
+    """Whether ``path`` named one step (it is loaded or refused, never another)."""
+    expected: Expected = field(default_factory=dict)
+    """The verified manifest's {file: (bytes, digest)}."""
+    saved_world: int = 0
+    """The world size that saved the step (0 when unknown)."""
+    seen: dict[str, Seen] = field(default_factory=dict)
+    """{data file: what rank 0 saw of it while hashing it} (`refimpl.sharded._seen`)."""
+
 
 _FILE_KIND = "not a sharded step"  # how verify_step words a refimpl.checkpoint manifest
 
@@ -39,7 +57,7 @@ def _expected(manifest: dict[str, Any]) -> Expected:
 
 
 def _fatal(message: str, single: bool = False) -> Choice:
-    return None, None, [], message, single, {}, 0, {}
+    return Choice(fatal=message, single=single)
 
 
 def _world(manifest: dict[str, Any]) -> int:
@@ -71,20 +89,18 @@ def choose_step(path: Path, below: int | None = None) -> Choice:
         except CheckpointError as exc:  # the error names the step: say it once
             reason = exc.reason if exc.path == path else str(exc)
             return _fatal(f"{reason}. Pass the checkpoint directory to fall back", single=True)
-        return (
-            int(manifest["step"]),
-            str(path),
-            [],
-            None,
-            True,
-            _expected(manifest),
-            _world(manifest),
-            seen,
+        return Choice(
+            step=int(manifest["step"]),
+            step_dir=str(path),
+            single=True,
+            expected=_expected(manifest),
+            saved_world=_world(manifest),
+            seen=seen,
         )
     steps = list_checkpoints(path)
     if not steps:
         why = _empty_root(path)
-        return _fatal(why) if why else (None, None, [], None, False, {}, 0, {})
+        return _fatal(why) if why else Choice()
     skipped: list[tuple[str, str]] = []
     committed_bad = below is not None  # the step refused at load time was committed
     file_kind = 0
@@ -94,15 +110,13 @@ def choose_step(path: Path, below: int | None = None) -> Choice:
         seen = {}
         try:
             manifest = verify_step(step_dir, seen)  # each error inside is a CheckpointError: skip
-            return (
-                step,
-                str(step_dir),
-                skipped,
-                None,
-                False,
-                _expected(manifest),
-                _world(manifest),
-                seen,
+            return Choice(
+                step=step,
+                step_dir=str(step_dir),
+                skipped=skipped,
+                expected=_expected(manifest),
+                saved_world=_world(manifest),
+                seen=seen,
             )
         except CheckpointError as exc:
             reason = exc.reason if exc.path == step_dir else str(exc)
@@ -116,15 +130,9 @@ def choose_step(path: Path, below: int | None = None) -> Choice:
             "them with refimpl.checkpoint.load_latest, or pass the directory save_sharded writes"
         )
     if committed_bad:
-        return (
-            None,
-            None,
-            skipped,
-            "no committed step can be loaded (each one is reported with its reason); "
+        return Choice(
+            skipped=skipped,
+            fatal="no committed step can be loaded (each one is reported with its reason); "
             "restore a good copy or move the bad steps aside: starting over would discard them",
-            False,
-            {},
-            0,
-            {},
         )
-    return None, None, skipped, None, False, {}, 0, {}
+    return Choice(skipped=skipped)

@@ -4,13 +4,9 @@ A thread writing a checkpoint competes with the training threads for the same co
 keeps a scheduling priority per thread, so the writing thread alone can be given a higher
 nice value: the scheduler then runs it first when a core would otherwise idle.
 
-What that buys depends on idle cores. On the book's 2-core machine, where training keeps
-both cores busy (``python -m refimpl.bench save --sizes-mb 256 1024``, three runs, chapter
-9), it bought nothing measurable: the median step during a nice-19 save at 256 MiB was
-1.04-1.57x a step alone, against 1.10-1.24x with the writer at the trainer's priority; the
-training time lost per save was about the same (0.23-0.36 s against 0.26-0.33 s: about the
-writer's own CPU seconds); and the checkpoint became durable 2-3x later. The write's CPU
-work is moved, not removed.
+What that buys depends on idle cores: the write's CPU work is moved, not removed, and a
+write at low priority becomes durable later. Where training keeps every core busy it can
+buy nothing (chapter 9 and ``python -m refimpl.bench save`` measure it).
 """
 
 from __future__ import annotations
@@ -19,8 +15,8 @@ import os
 import threading
 from typing import Any
 
-from refimpl._digested_writer import DigestedWriter
 from refimpl._pacer import lower_thread_priority
+from refimpl.sharded._digested_writer import DigestedWriter
 
 __all__ = ["WRITER_NICE", "LowPriorityWriter", "lower_thread_priority"]
 

@@ -4,28 +4,24 @@ An async save's writing thread needs CPU time: serialising, and copying every by
 page cache (the kernel's copy counts as the thread's time). On a machine whose training keeps
 every core busy, that time is taken from training, and the steps that overlap the write's
 busiest moments are slowed the most (a parallel step waits for its slowest thread): DCP's
-``FileSystemWriter`` hands the kernel a whole tensor record per write call (32 MiB for a 256
-MiB state of eight tensors), and beside such calls a 7-8 ms training step took up to 50 ms
-(256 MiB) and 130 ms (1 GiB) here.
+``FileSystemWriter`` hands the kernel a whole tensor record per write call.
 
 With ``cpu_share`` set, `PacedWriter` hands the kernel at most `PIECE_BYTES` per call and,
 after each piece, sleeps until the writing thread's CPU time is at most ``cpu_share`` of the
 wall time since the write began: the same CPU seconds, spread thin, so that a step overlaps at
-most one piece's copy before the writer yields. At 5% of a core, the median step during a
-256 MiB save was 0.94-1.06x a step alone in three runs (1 GiB, two runs: 0.87-1.06x), where
-the unpaced thread gave 1.8-1.9x (1 GiB: 1.4-1.8x), and the slowest step took 28 ms; the
-checkpoint committed in 2 s instead of 0.2-1.0 s (1 GiB: 7-15 s instead of 0.7-3.6): about
-the writer's CPU seconds divided by the share (``python -m refimpl.bench save``, chapter 9).
-Pieces without the sleeps (``cpu_share=1``) did not help: 1.4-1.7x.
+most one piece's copy before the writer yields. The checkpoint commits after about the
+writer's CPU seconds divided by the share; pieces without the sleeps (``cpu_share=1``)
+only change the size of each call. Chapter 9 and ``python -m refimpl.bench save`` measure
+the steps and the commit time both ways.
 
 A share is at least `MIN_CPU_SHARE`, one sleep at most `MAX_SLEEP_S`, and `stop_pacing` (called
-when the process exits, `refimpl._sharded_async`) ends every sleep: pacing spreads a write out
+when the process exits, `refimpl.sharded._async`) ends every sleep: pacing spreads a write out
 while training runs, it must never keep a checkpoint from committing or a process from exiting.
 
 Only a background write is paced: a thread that created the writer (a synchronous
 ``dcp.save``) writes as ``FileSystemWriter`` does, as with
-`refimpl._low_priority.LowPriorityWriter`, whose nice value this writer also applies. The files
-are ``FileSystemWriter``'s: plain ``dcp.load`` reads them.
+`refimpl.sharded._low_priority.LowPriorityWriter`, whose nice value this writer also
+applies. The files are ``FileSystemWriter``'s: plain ``dcp.load`` reads them.
 """
 
 from __future__ import annotations
@@ -37,7 +33,6 @@ from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from refimpl._low_priority import LowPriorityWriter
 from refimpl._pacer import (
     MAX_SLEEP_S,
     MIN_CPU_SHARE,
@@ -46,6 +41,7 @@ from refimpl._pacer import (
     check_cpu_share,
     stop_pacing,
 )
+from refimpl.sharded._low_priority import LowPriorityWriter
 
 __all__ = [
     "MAX_SLEEP_S",

@@ -1,33 +1,6 @@
-"""Chapters 8-9: sharded checkpoints with DCP that commit atomically and load at any size.
+"""The public entry points of `refimpl.sharded`: save, load, verify and consolidate a step.
 
-``torch.distributed.checkpoint`` (DCP) has every rank write its own shards in parallel and
-reshards on load, but its ``FileSystemWriter`` writes straight into the directory it is
-given: a save that dies half-way leaves new shards beside an old ``.metadata`` (which then
-loads silently wrong), a failure surfaces as ``CheckpointException``, a ``BaseException``
-that ``except Exception`` misses, and ``dcp.load`` unpickles ``.metadata`` with plain
-``pickle.load``. Here DCP keeps doing the writing and the resharding; refimpl adds:
-
-- a fresh hidden temporary directory for every save, committed by rank 0 once every rank's
-  files are durable: ``MANIFEST.json`` (size and xxh3-128 digest of each file), the
-  ``COMMITTED`` marker, fsync, rename to ``step_N``, fsync of the parent
-  (`refimpl._sharded_group` has the protocol);
-- a loader that verifies the manifest and unpickles ``.metadata`` through an allowlist
-  *before* DCP opens anything, falls back past incomplete, corrupt or hostile steps saying
-  why, loads non-tensor items weights-only, and reads of each saved chunk only the rows a
-  rank holds (DCP reads whole chunks, which makes a resharded load slow);
-- errors that are `refimpl.checkpoint.CheckpointError`\\ s naming the ranks, the step and
-  what to do next.
-
-The top-level keys are ``"model"`` and ``"optim"`` exactly as ``get_state_dict`` produces
-them, so a plain ``dcp.load`` reads the same directory; ``state=`` entries (a scheduler, the
-sampler, per-rank RNG: `refimpl._sharded_state`) ride in the same commit as bytes items under
-``"state"`` and ``"state_rank<r>"``. A wrong path is an error, not a fresh start
-(`refimpl._sharded_paths`). Every function is called on every
-rank of the group (or without a process group, as a world of one).
-
-Hold `refimpl.dirlock.DirLock` on the checkpoint directory for the run (every rank enters it;
-rank 0 locks) around `load_sharded` and every save, `AsyncSaver`'s included: a second job
-started in the same directory is then refused at start instead of overwriting this one's steps.
+The package docstring (`refimpl.sharded`) says what each adds to DCP and why.
 """
 
 from __future__ import annotations
@@ -44,32 +17,18 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from refimpl._digested_writer import DigestedWriter
 from refimpl._manifest import as_step
-from refimpl._sharded_async import AsyncSaveHandle, AsyncSaver, default_saver
-from refimpl._sharded_commit import verify_step
-from refimpl._sharded_errors import ShardedCheckpointError, dcp_errors
-from refimpl._sharded_export import check_output_file, export_hf, read_full
-from refimpl._sharded_group import Group, commit_step, discard, prepare_step, quiet_no_dist
-from refimpl._sharded_inspect import inspect_sharded
-from refimpl._sharded_load import load_step
-from refimpl._sharded_paths import choose_step
-from refimpl._sharded_state import PerRank, check_mapping, pack_checked
 from refimpl.atomic import atomic_save
-
-__all__ = [
-    "AsyncSaveHandle",
-    "AsyncSaver",
-    "PerRank",
-    "ShardedCheckpointError",
-    "async_save_sharded",
-    "consolidate",
-    "export_hf",
-    "inspect_sharded",
-    "load_sharded",
-    "save_sharded",
-    "verify_sharded",
-]
+from refimpl.sharded._async import AsyncSaver, default_saver
+from refimpl.sharded._async_handle import AsyncSaveHandle
+from refimpl.sharded._commit import verify_step
+from refimpl.sharded._digested_writer import DigestedWriter
+from refimpl.sharded._errors import ShardedCheckpointError, dcp_errors
+from refimpl.sharded._export import check_output_file, read_full
+from refimpl.sharded._group import Group, commit_step, discard, prepare_step, quiet_no_dist
+from refimpl.sharded._load import load_step
+from refimpl.sharded._paths import Choice, choose_step
+from refimpl.sharded._state import check_mapping, pack_checked
 
 logger = logging.getLogger(__name__)
 
@@ -208,11 +167,11 @@ def load_sharded(
     ``.metadata`` (the verified bytes) with the allowlist unpickler, and digests every shard
     file it is about to read, from the open file DCP then reads, unless that file is, on
     rank 0's machine, the very file rank 0 just hashed, unchanged since
-    (`refimpl._sharded_seen`): a file that changed after rank 0's check, or differs on that
+    (`refimpl.sharded._seen`): a file that changed after rank 0's check, or differs on that
     rank's node, skips the step before anything is loaded. ``dcp.load`` loads non-tensor
     items weights-only (one that is not is refused, and the next older step tried, as is a
     step whose item is another kind than the model's: a non-tensor item for a weight), each
-    tensor from only the bytes of the rows this rank holds (`refimpl._sharded_ranges`);
+    tensor from only the bytes of the rows this rank holds (`refimpl.sharded._ranges`);
     ``set_state_dict`` puts the result in place. The world size may differ from the one that
     saved: DCP reshards.
 
@@ -257,25 +216,34 @@ def load_sharded(
     report = on_skip or (_log_skip if group.rank == 0 else lambda _d, _w: None)
     below: int | None = None
     while True:
-        chosen = choose_step(Path(path), below) if group.rank == 0 else None
-        step, step_dir_s, skipped, fatal, single, expected, world, seen = group.broadcast(chosen)
-        for skipped_dir, why in skipped:
+        chosen: Choice = group.broadcast(
+            choose_step(Path(path), below) if group.rank == 0 else None
+        )
+        for skipped_dir, why in chosen.skipped:
             report(Path(skipped_dir), why)
-        if fatal is not None:
-            raise ShardedCheckpointError(path, fatal)
-        if step_dir_s is None:
+        if chosen.fatal is not None:
+            raise ShardedCheckpointError(path, chosen.fatal)
+        if chosen.step_dir is None or chosen.step is None:
             logger.info("load_sharded: no step in %s yet: starting fresh", path)
             return None
         try:
             load_step(
-                group, Path(step_dir_s), expected, world, model, optimizer, state, exclude, seen
+                group,
+                Path(chosen.step_dir),
+                model,
+                optimizer,
+                expected=chosen.expected,
+                saved_world=chosen.saved_world,
+                state=state,
+                exclude=exclude,
+                seen=chosen.seen,
             )
-            return int(step)
+            return chosen.step
         except ShardedCheckpointError as err:
-            if single or not err.unsafe:
+            if chosen.single or not err.unsafe:
                 raise
-            report(Path(step_dir_s), str(err))
-            below = step
+            report(Path(chosen.step_dir), str(err))
+            below = chosen.step
 
 
 def consolidate(

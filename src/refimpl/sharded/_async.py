@@ -31,13 +31,13 @@ from torch.distributed.checkpoint.state_dict_saver import async_save
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.tensor import DTensor
 
-from refimpl._async_handle import AsyncSaveHandle as AsyncSaveHandle  # sharded.py imports it
 from refimpl._group_timeout import group_timeout
-from refimpl._paced_writer import PacedWriter, check_cpu_share
 from refimpl._pacer import lower_thread_priority
-from refimpl._sharded_errors import dcp_errors
-from refimpl._sharded_group import Group, commit_step, discard, prepare_step
-from refimpl._sharded_state import pack_checked
+from refimpl.sharded._async_handle import AsyncSaveHandle
+from refimpl.sharded._errors import dcp_errors
+from refimpl.sharded._group import Group, commit_step, discard, prepare_step
+from refimpl.sharded._paced_writer import PacedWriter, check_cpu_share
+from refimpl.sharded._state import pack_checked
 
 
 class _ReusingStager(DefaultStager):
@@ -104,18 +104,17 @@ class AsyncSaver:
     machines the buffers are ordinary memory either way.
 
     ``writer_nice`` (0 by default: the caller's priority; 1-19) lowers the CPU priority of
-    the threads that write and commit (``refimpl._low_priority``; Linux keeps a nice value per
-    thread), so they take the CPU time training leaves idle first. Where training keeps every
-    core busy, that does not make the write cheaper: on the book's 2-core machine (three
-    runs), nice 19 slowed the steps it overlapped as much or more, lost about as much
-    training time per save, and made the checkpoint durable 2-3x later (chapter 9), which is
-    why it is not the default. On a host whose trainer leaves cores idle, try 19.
+    the threads that write and commit (``refimpl.sharded._low_priority``; Linux keeps a nice
+    value per thread), so they take the CPU time training leaves idle first. It moves the
+    write's CPU work rather than removing it, and a save at low priority becomes durable
+    later, so it is not the default; on a host whose trainer leaves cores idle, try 19
+    (chapter 9 measures both).
 
     ``writer_cpu_share`` (None by default: unpaced; 0.01 <= share <= 1) paces the background
-    write to at most that share of one core (``refimpl._paced_writer``, which gives the
-    measurements): steps barely slowed, the checkpoint committed about ``1 / share`` times its
-    CPU time later. A smaller share (or ``True``) is a ``ValueError``: the write would never
-    end.
+    write to at most that share of one core (``refimpl.sharded._paced_writer``): the
+    checkpoint commits about ``1 / share`` times the write's CPU time later, and the steps
+    it overlaps share the cores with a thinner write (chapter 9 measures both). A smaller
+    share (or ``True``) is a ``ValueError``: the write would never end.
 
     A process that exits with a save nobody waited for stops pacing it and waits for it, at
     most the collective timeout, before Python joins the saver's threads; then names the save
@@ -123,9 +122,8 @@ class AsyncSaver:
     save still running after that is lost, and the process exits at once with status 1.
 
     The background write runs in a thread of this process (DCP's default); there is no
-    process mode. torch 2.13's ``AsyncCheckpointerType.PROCESS`` gained nothing consistent
-    on the book's 2-core machine (``python -m refimpl.bench save --sizes-mb``, chapter 9),
-    and its daemon breaks this class's promises: one per process, bound to the ranks of the
+    process mode (chapter 9 compares torch's ``AsyncCheckpointerType.PROCESS``): its daemon
+    would break this class's promises: one per process, bound to the ranks of the
     first group that used it, a gloo world with torch's 30-minute timeout, a caller that
     waits with no timeout, and a training script re-imported by the spawned daemon.
     """

@@ -1,7 +1,7 @@
 """When a rank may rely on rank 0's digest of a file instead of hashing it again.
 
 `refimpl.sharded.load_sharded` has rank 0 verify every file of a step against the manifest,
-and every rank verify the files it is about to read (`refimpl._sharded_read.VerifyingReader`),
+and every rank verify the files it is about to read (`refimpl.sharded._read.VerifyingReader`),
 because a rank may read another copy than rank 0 did: another node's disk or cache, or a file
 changed or swapped after rank 0's check. On rank 0's own machine, reading the very inode rank
 0 hashed, unchanged since, the second hash proves nothing new, and it costs the most exactly

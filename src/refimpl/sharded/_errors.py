@@ -15,10 +15,10 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from refimpl._sharded_read import ShardMismatch, UnsafeItem
 from refimpl._write_errors import DISK_FULL, root_oserror
 from refimpl._write_errors import advice as _oserror_advice
 from refimpl.checkpoint import CheckpointError
+from refimpl.sharded._read import ShardMismatch, UnsafeItem
 
 _PEER_GONE = ("Connection closed", "Connection reset", "timed out", "Timeout", "aborted")
 

@@ -1,28 +1,6 @@
-"""Chapter 5: checkpoints that are complete, verified and never unpickle code.
+"""File checkpoints: save, list, verify and load one directory per step, and prune old ones.
 
-Layout: one directory per step, published atomically by `refimpl.atomic.atomic_dir`::
-
-    ckpt/step_00000200/
-        state.pack                every top-level key, one torch.save archive each, back to back
-        MANIFEST.json             format, step, versions, the size and digest of every file,
-                                  and where in state.pack each key's archive is
-        COMMITTED                 atomic_dir's marker (written after the manifest)
-
-Steps written before format 3 hold one ``KEY.pt`` per key instead; they load the same way.
-
-`load_latest` walks the steps newest first and returns the first one that verifies (marker,
-manifest, every file's size and digest) *before* anything is deserialised; each step it
-skips is reported with the reason. `safe_load` only ever uses ``weights_only=True``.
-
-What it promises, and the tests attack: a save never destroys the committed copy of a step,
-even when it re-saves that step and dies half-way; a state that could never be loaded is
-refused before anything is written or pruned; a damaged newest step (EIO, a hostile manifest,
-a crafted file) makes `load_latest` fall back, never crash; and nothing is deleted that this
-code did not write or whose writer may still be alive.
-
-One run per directory: two jobs saving into one ``ckpt_dir`` re-save over and prune each
-other's steps. Hold `refimpl.dirlock.DirLock` on it for the run (``with DirLock(ckpt_dir):``
-around the load and every save); a second writer is then refused at its start.
+The package docstring (`refimpl.checkpoint`) gives the layout and what it promises.
 """
 
 from __future__ import annotations
@@ -32,7 +10,6 @@ import logging
 import os
 import re
 import shutil
-import sys
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -40,7 +17,6 @@ from typing import IO, Any
 import torch
 
 from refimpl import __version__
-from refimpl._file_async import AsyncCheckpointer
 from refimpl._manifest import (
     FORMAT,
     MAX_MANIFEST_BYTES,
@@ -64,20 +40,6 @@ from refimpl.atomic import (
     remove_stale_temps,
     temp_path,
 )
-
-__all__ = [
-    "MANIFEST",
-    "PACK",
-    "AsyncCheckpointer",
-    "CheckpointError",
-    "list_checkpoints",
-    "load_checkpoint",
-    "load_latest",
-    "safe_load",
-    "save_checkpoint",
-    "step_dir_name",
-    "verify_checkpoint",
-]
 
 MANIFEST = "MANIFEST.json"
 """Name of the manifest file inside every step directory."""
@@ -478,11 +440,3 @@ def save_checkpoint(
     if keep_last is not None:
         _prune(root, keep_last, step)
     return final
-
-
-if __name__ == "__main__":
-    import sys
-
-    from refimpl._checkpoint_cli import main
-
-    sys.exit(main())

@@ -256,7 +256,7 @@ def names_in(saved_keys: list[str]) -> tuple[list[str], list[str], list[int]]:
 
 
 def pack_checked(group: Any, state: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Collective on ``group`` (a `refimpl._sharded_group.Group`): `pack` on every rank, then
+    """Collective on ``group`` (a `refimpl.sharded._group.Group`): `pack` on every rank, then
     raise on every rank if any rank's entry cannot be saved (``TypeError``) or a shared entry
     differs between ranks (``ValueError``), before anything touches the disk."""
     if not state:

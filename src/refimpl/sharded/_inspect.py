@@ -12,9 +12,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from refimpl._dcp_metadata import check_metadata
-from refimpl._sharded_commit import METADATA, verify_step
-from refimpl._sharded_state import names_in
+from refimpl.sharded._commit import METADATA, verify_step
+from refimpl.sharded._dcp_metadata import check_metadata
+from refimpl.sharded._state import names_in
 
 
 def inspect_sharded(step_dir: str | os.PathLike[str]) -> dict[str, Any]:

@@ -39,9 +39,19 @@ _STORAGE_DTYPES = {
     name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()
 }
 _PLAIN_DTYPES = {
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex128, torch.complex64,
-}  # fmt: skip
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex128,
+    torch.complex64,
+}
 
 
 class _NotPlain(Exception):

@@ -23,11 +23,11 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 from refimpl._publish import publish_dir
-from refimpl._sharded_commit import verify_step
-from refimpl._sharded_errors import LOAD_ADVICE, dcp_errors
-from refimpl._sharded_read import WeightsOnlyEmptyPlanner
 from refimpl.atomic import COMMIT_MARKER, _fsync_tree, fsync_dir, remove_stale_temps, temp_path
 from refimpl.checkpoint import MANIFEST, CheckpointError
+from refimpl.sharded._commit import verify_step
+from refimpl.sharded._errors import LOAD_ADVICE, dcp_errors
+from refimpl.sharded._read import WeightsOnlyEmptyPlanner
 from refimpl.state import _PREFIXES, _inference_tensor
 
 logger = logging.getLogger("refimpl.sharded")
@@ -40,8 +40,18 @@ _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _WRAPPERS = {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"}
 # A step directory, or the temporary or aside name a save gives one while it writes it.
 _STEP_LIKE = re.compile(r"step_[0-9]+|\.step_[0-9]+\..*", re.ASCII)
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def _save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:

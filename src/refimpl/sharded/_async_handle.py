@@ -1,4 +1,4 @@
-"""`AsyncSaveHandle`, one background save of `refimpl._sharded_async.AsyncSaver`, and what a
+"""`AsyncSaveHandle`, one background save of `refimpl.sharded._async.AsyncSaver`, and what a
 process does at exit with the saves nobody waited for.
 
 A save nobody waited for must neither vanish in silence (a failure would go unnoticed, and the
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from refimpl._exit_hooks import at_exit
-from refimpl._paced_writer import stop_pacing
+from refimpl.sharded._paced_writer import stop_pacing
 
 __all__ = ["AsyncSaveHandle"]
 

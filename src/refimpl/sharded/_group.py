@@ -29,10 +29,10 @@ from typing import Any
 import torch.distributed as dist
 
 from refimpl._publish import publish_dir
-from refimpl._sharded_commit import METADATA, digest_files, own_shards, write_manifest
-from refimpl._sharded_errors import ShardedCheckpointError
 from refimpl.atomic import _fsync_tree, fsync_dir, remove_stale_temps, temp_path
-from refimpl.checkpoint import _prune, step_dir_name
+from refimpl.checkpoint._files import _prune, step_dir_name
+from refimpl.sharded._commit import METADATA, digest_files, own_shards, write_manifest
+from refimpl.sharded._errors import ShardedCheckpointError
 
 logger = logging.getLogger("refimpl.sharded")
 _INTACT = (
