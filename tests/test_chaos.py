@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _chaos_helpers import tagged_pids
+from helpers.chaos import tagged_pids
 
 from refimpl._compare import first_difference, flatten, load_flat, summary
 from refimpl.chaos import ChaosError, format_table, main, run_chaos

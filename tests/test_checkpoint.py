@@ -264,7 +264,7 @@ def test_resave_killed_at_random_points_never_loses_the_step(tmp_path: Path) -> 
     import random
     import time
 
-    from _workers import resave_forever
+    from workers.launch import resave_forever
 
     from refimpl.launch import _forkserver_preload
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _sharded_models import fresh, trained
+from helpers.sharded_models import fresh, trained
 
 from refimpl._checkpoint_cli import main as cli_main
 from refimpl._train_resume import refuse_fresh_start

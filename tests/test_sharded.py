@@ -15,16 +15,16 @@ from typing import Any
 
 import pytest
 import torch
-from _sharded_models import fresh, trained
-from _sharded_workers import (
+from helpers.sharded_models import fresh, trained
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from workers.sharded import (
     RngState,
     state_load_fails_on_one_rank,
     state_round_trip,
     training_state,
 )
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from refimpl._checkpoint_cli import main as cli_main
 from refimpl._dcp_metadata import UnsafeMetadata, check_metadata

@@ -110,7 +110,7 @@ def test_a_spawn_rank_names_the_save_it_never_waited_for(
     """A spawn rank runs no atexit handler (multiprocessing leaves through os._exit) and is
     killed once it reports: the warning used to be lost there. Now it is in each rank's
     output, and the save committed."""
-    from _sharded_workers import async_save_never_waited
+    from workers.sharded import async_save_never_waited
 
     from refimpl.launch import spawn
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _sharded_models import trained
+from helpers.sharded_models import trained
 
 from refimpl._dcp_metadata import check_metadata
 from refimpl.atomic import COMMIT_MARKER

@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from _sharded_craft import bytes_item_in_place_of, drop_item
+from helpers.sharded_craft import bytes_item_in_place_of, drop_item
 
 from refimpl.demos.chaos_runs import chaos_train
 from refimpl.demos.train import TrainRun, attempts, parse_log, run_train, same_weights

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import _trainstate_workers as w
 import pytest
 import torch
+from workers import trainstate as w
 
 from refimpl.checkpoint import PACK, CheckpointError, load_latest, save_checkpoint
 from refimpl.data import ResumableSampler

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _chaos_helpers import tagged_pids
+from helpers.chaos import tagged_pids
 
 from refimpl.chaos import SCENARIOS, format_table
 from refimpl.demos.chaos_runs import chaos_toy
@@ -48,7 +48,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _front_door_command() -> str:
     """The one command the README and the book's intro print (the same line in both)."""
-    root = Path(__file__).parents[1]
+    root = Path(__file__).parents[2]
     found = [
         [ln for ln in (root / name).read_text().splitlines() if ln.startswith(_CHAOS_LINE)]
         for name in ("README.md", "book/intro.md")
