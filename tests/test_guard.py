@@ -33,25 +33,25 @@ def test_matching_calls_pass_and_are_counted() -> None:
         assert res == {"done": 4, "error": None, "calls": []}
 
 
-@pytest.mark.parametrize(
-    ("mine", "theirs", "shown"),
-    [
-        (
-            (AR, "val/acc", [2], "float64"),
-            (AR, "val/loss", [2], "float64"),
-            "'val/loss'",
-        ),  # DETAIL misses
-        ((AR, "m", [2], "float64"), (AR, "m", [3], "float64"), "float64[3]"),
-        ((AR, "m", [2], "float64"), (AR, "m", [2], "float32"), "float32[2]"),
-        ((AR, "m", [2], "float64"), ("broadcast", "m", [2], "float64"), "broadcast (src=0)"),
-        ((AR, "m", [2], "float64"), ("all_reduce_max", "m", [2], "float64"), "(MAX)"),
-        ((AR, "m", [2], "float64"), ("barrier", "m", [], "float64"), "barrier"),
-        # issue 19 item 10: ops and dtypes outside the old tables
-        (("all_reduce_band", "m", [2], "int64"), ("all_reduce_bor", "m", [2], "int64"), "(BOR)"),
-        ((AR, "m", [2], "uint16"), (AR, "m", [2], "uint32"), "uint32[2]"),
-        ((AR, "m", [2], "float8_e4m3fn"), (AR, "m", [2], "float8_e5m2"), "float8_e5m2[2]"),
-    ],
-)
+DISAGREEMENTS = [
+    (
+        (AR, "val/acc", [2], "float64"),
+        (AR, "val/loss", [2], "float64"),
+        "'val/loss'",
+    ),  # DETAIL misses
+    ((AR, "m", [2], "float64"), (AR, "m", [3], "float64"), "float64[3]"),
+    ((AR, "m", [2], "float64"), (AR, "m", [2], "float32"), "float32[2]"),
+    ((AR, "m", [2], "float64"), ("broadcast", "m", [2], "float64"), "broadcast (src=0)"),
+    ((AR, "m", [2], "float64"), ("all_reduce_max", "m", [2], "float64"), "(MAX)"),
+    ((AR, "m", [2], "float64"), ("barrier", "m", [], "float64"), "barrier"),
+    # issue 19 item 10: ops and dtypes outside the old tables
+    (("all_reduce_band", "m", [2], "int64"), ("all_reduce_bor", "m", [2], "int64"), "(BOR)"),
+    ((AR, "m", [2], "uint16"), (AR, "m", [2], "uint32"), "uint32[2]"),
+    ((AR, "m", [2], "float8_e4m3fn"), (AR, "m", [2], "float8_e5m2"), "float8_e5m2[2]"),
+]
+
+
+@pytest.mark.parametrize(("mine", "theirs", "shown"), DISAGREEMENTS)
 def test_each_kind_of_disagreement_is_caught_on_every_rank(
     mine: tuple, theirs: tuple, shown: str
 ) -> None:  # type: ignore[type-arg]
@@ -64,6 +64,26 @@ def test_each_kind_of_disagreement_is_caught_on_every_rank(
             "rank 1: call #1"
         )
         assert shown in res["calls"][1] and shown not in res["calls"][0]
+
+
+def test_the_reference_guard_and_the_fast_one_give_the_same_verdicts() -> None:
+    """ReferenceGuard (one all-gather of the fingerprint) is the definition; CollectiveGuard,
+    on its host and its gloo path, must say the same for the same calls: the same mismatch
+    message and calls on every rank, and no error where the calls agree."""
+    ok = (AR, "first", [1], "float32")
+    agreeing = [
+        [[ok, (AR, "m", [2], "float64")]] * 2,  # carried inside the exchange by the fast guard
+        [[("broadcast", "b", [3], "int64"), ("barrier", "c", [], "float32")]] * 2,
+        [[(AR, "big", [64], "float64")]] * 2,  # 512 bytes: the check, then the all-reduce
+    ]
+    disagreeing = [[[ok, mine], [ok, theirs]] for mine, theirs, _ in DISAGREEMENTS]
+    cases = agreeing + disagreeing
+    per_rank = spawn(guard_workers.verdicts_of_each_guard, 2, cases, timeout_s=90)
+    for verdicts in per_rank:
+        assert len(verdicts) == len(cases)
+        for i, v in enumerate(verdicts):
+            assert v["fast"] == v["fast_gloo"] == v["reference"], (i, v)
+            assert (v["reference"] is None) == (i < len(agreeing)), (i, v)
 
 
 def test_one_rank_out_of_three_disagreeing_stops_all_three() -> None:

@@ -23,6 +23,10 @@ error names each rank's last call: the last one all ranks passed together, or, f
 that waited at this very call and gave up, that call, which a failing rank leaves in the
 process group's store.
 
+`ReferenceGuard` is the same check written plainly (one all-gather of the fingerprint per
+call, nothing cached or carried): read it first, then `CollectiveGuard` as that plus its
+speed-ups. Both give the same verdict and the same `CollectiveMismatch` for the same calls.
+
 Example::
 
     guard = CollectiveGuard()
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 from refimpl.guard._collective_guard import CARRY_BYTES, CollectiveGuard
 from refimpl.guard._fingerprint import FINGERPRINT_LEN, MAX_DIMS, NAME_BYTES, GuardedCall
+from refimpl.guard._reference import ReferenceGuard
 from refimpl.guard._report import CollectiveMismatch
 
 __all__ = [
@@ -43,8 +48,11 @@ __all__ = [
     "CollectiveGuard",
     "CollectiveMismatch",
     "GuardedCall",
+    "ReferenceGuard",
 ]
 
 # documented, and pickled by reference, as refimpl.guard's (a CollectiveMismatch raised in a
 # rank reaches the parent through pickle)
-GuardedCall.__module__ = CollectiveMismatch.__module__ = CollectiveGuard.__module__ = __name__
+for _public in (GuardedCall, CollectiveMismatch, CollectiveGuard, ReferenceGuard):
+    _public.__module__ = __name__
+del _public
