@@ -90,8 +90,11 @@ def _git_status() -> set[str] | None:
     try:
         done = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=all"],
-            cwd=ROOT, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return set(done.stdout.splitlines()) if done.returncode == 0 else None  # not a clone: skip

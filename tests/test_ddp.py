@@ -105,8 +105,13 @@ def test_benchmark_writes_json_and_png(tmp_path: Path) -> None:
         result = data["results"]["1.0"][impl]
         assert len(result["samples"]) == 2 and result["cpu"]["n"] == result["faults"]["n"] == 2
     ratios = data["ratios"]["1.0"]
-    assert set(ratios) == {"mini/ddp_view", "mini_late/ddp_view", "naive/ddp_view",
-                           "ddp_default/ddp_view", "mini/ddp_default"}  # fmt: skip
+    assert set(ratios) == {
+        "mini/ddp_view",
+        "mini_late/ddp_view",
+        "naive/ddp_view",
+        "ddp_default/ddp_view",
+        "mini/ddp_default",
+    }
     for r in ratios.values():
         assert r["q1"] <= r["median"] <= r["q3"] and r["ratio_of_medians"] > 0
     profile = data["profile"]["ms_per_step"]

@@ -142,7 +142,13 @@ def test_fingerprint_round_trip_and_long_names() -> None:
     assert len(fp) == FINGERPRINT_LEN
     call = decode(2, fp)
     assert (call.rank, call.seq, call.op, call.name, call.dtype, call.shape) == (
-        2, 7, "all_reduce", "tâche/ünïcode", "bfloat16", (3, 4))  # fmt: skip
+        2,
+        7,
+        "all_reduce",
+        "tâche/ünïcode",
+        "bfloat16",
+        (3, 4),
+    )
     assert str(call) == "rank 2: call #7 all_reduce (MAX) 'tâche/ünïcode' bfloat16[3x4]"
     long_a, long_b = "x" * 200 + "a", "x" * 200 + "b"  # equal in the first 112 bytes
     assert fingerprint(0, "barrier", long_a, None, 0) != fingerprint(0, "barrier", long_b, None, 0)
@@ -199,8 +205,11 @@ def test_a_rank_arriving_after_its_peers_gave_up_says_so() -> None:
     rank0, rank1 = spawn(guard_workers.rank0_arrives_late, 2, 2.5, timeout_s=40)
     assert rank1.startswith("rank 1 waited 1 s at all_reduce 'after/save' (call #0)"), rank1
     assert "waited" not in rank0.splitlines()[0], rank0
-    head = re.match(r"rank 0 arrived at all_reduce 'after/save' \(call #0\) ([0-9.]+) s late, "
-                    r"after its peers gave up", rank0)  # fmt: skip
+    head = re.match(
+        r"rank 0 arrived at all_reduce 'after/save' \(call #0\) ([0-9.]+) s late, "
+        r"after its peers gave up",
+        rank0,
+    )
     assert head is not None, rank0
     assert float(head.group(1)) >= 1.5  # it slept 2.5 s before the call that rank 1 made at once
     # rank 1 left its call in the store when it gave up; rank 0's report shows it

@@ -559,8 +559,12 @@ def test_fork_server_preloads_dcp_only_where_this_process_uses_it(
     from refimpl.launch import _forkserver_preload
 
     base = ["torch", "torch.distributed", "torch._dynamo"]
-    assert _forkserver_preload() == [*base, "torch.distributed.checkpoint",
-                                     "torch.distributed.fsdp", "refimpl._rank_process"]  # fmt: skip
+    assert _forkserver_preload() == [
+        *base,
+        "torch.distributed.checkpoint",
+        "torch.distributed.fsdp",
+        "refimpl._rank_process",
+    ]
     for name in ("torch.distributed.checkpoint", "torch.distributed.fsdp"):
         monkeypatch.delitem(sys.modules, name)  # a chapter that never shards
     assert _forkserver_preload() == [*base, "refimpl._rank_process"]
@@ -604,10 +608,20 @@ def test_a_worker_whose_agent_is_killed_exits_within_10_s(tmp_path: Path) -> Non
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     env["PYTHONPATH"] = str(Path(__file__).parents[1] / "src")
     agent = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-         str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=1",
+            str(script),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
         start_new_session=True,
-    )  # fmt: skip
+    )
     worker = None
     try:
         assert agent.stdout is not None and agent.stderr is not None

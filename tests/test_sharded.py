@@ -221,8 +221,12 @@ def test_resharding_4_to_2_and_3_equals_the_unsharded_reference(tmp_path: Path) 
     reference = safe_load(tmp_path / "unsharded.pt")
     step_dir = tmp_path / "ckpt" / "step_00000003"
     assert sorted(verify_sharded(step_dir)["files"]) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp",
-    ]  # fmt: skip
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "__2_0.distcp",
+        "__3_0.distcp",
+    ]
     weights = safe_load(consolidate(step_dir, tmp_path / "model.pt"))
     assert max_abs_diff(weights, reference["model"]) == 0.0
     plain = {"model": tiny_model(7).state_dict()}  # plain dcp.load, unsharded target

@@ -50,8 +50,9 @@ def _run(tmp_path: Path, mode: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     code = textwrap.dedent(_SCRIPT)
     args = [str(tmp_path / "ckpt"), str(tmp_path / "store"), mode]
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                          timeout=90, env=env)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=90, env=env
+    )
 
 
 @pytest.mark.timeout(120)

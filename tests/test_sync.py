@@ -73,9 +73,16 @@ def test_barrier_safe_with_a_save_budget_fixes_it(tmp_path: Path) -> None:
 
 def test_dist_barrier_with_its_own_timeout_fixes_it_too(tmp_path: Path) -> None:
     spawn(
-        train_and_save_worker, 3, str(tmp_path), "timeout", 2.0, 3, 30.0,
-        timeout_s=40, pg_timeout_s=1,
-    )  # fmt: skip
+        train_and_save_worker,
+        3,
+        str(tmp_path),
+        "timeout",
+        2.0,
+        3,
+        30.0,
+        timeout_s=40,
+        pg_timeout_s=1,
+    )
     save_end = _spans(tmp_path, 0, "save")[0]["end"]
     for rank in (1, 2):
         (barrier,) = _spans(tmp_path, rank, "barrier")
@@ -94,9 +101,16 @@ def test_barrier_timeout_overrides_the_group_timeout_on_gloo() -> None:
 def test_a_barrier_only_rank0_calls_is_named_by_monitored_barrier(tmp_path: Path) -> None:
     with pytest.raises(WorkerError) as info:
         spawn(
-            train_and_save_worker, 3, str(tmp_path), "misplaced", 0.3, 3, 1.0,
-            timeout_s=40, pg_timeout_s=3,
-        )  # fmt: skip
+            train_and_save_worker,
+            3,
+            str(tmp_path),
+            "misplaced",
+            0.3,
+            3,
+            1.0,
+            timeout_s=40,
+            pg_timeout_s=3,
+        )
     assert info.value.rank == 0
     assert "Ranks 1, 2 failed to pass monitoredBarrier" in str(info.value)
 

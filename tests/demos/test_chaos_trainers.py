@@ -25,10 +25,20 @@ from refimpl.demos.chaos_runs import chaos_toy
 def test_alone_it_prints_the_lines_the_kill_test_waits_for(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     run = subprocess.run(
-        [sys.executable, "-m", "refimpl.demos.chaos_trainers", "--variant", "ok",
-         "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=100, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "refimpl.demos.chaos_trainers",
+            "--variant",
+            "ok",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=env,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
     assert any(re.match(r"^step 6 loss", line) for line in lines), lines  # chaos_toy's kill_on

@@ -9,8 +9,9 @@ but not the second: it has no idea what a tensor *means*.
 
 `CollectiveGuard` gives every collective a ``name``. Before each call the ranks exchange a
 fixed-size fingerprint (sequence number, op, name, shape, dtype: 32 int64): over Unix
-datagram sockets when every rank runs on one host (``guard/_host_exchange.py``, about 12 us
-on 2 cores), else with one all-gather in a gloo group of the guard's own. Every rank then holds
+datagram sockets when every rank runs on one host (``guard/_host_exchange.py``), else with
+one all-gather in a gloo group of the guard's own (chapter 7 and ``python -m refimpl.bench
+guard`` measure both). Every rank then holds
 every rank's call, and if they differ every rank raises `CollectiveMismatch` naming what
 each rank was calling, so the job stops at the first divergent call instead of hanging or
 averaging the wrong metric.
