@@ -227,12 +227,12 @@ def test_ctrl_c_mid_write_is_a_keyboard_interrupt_and_leaves_the_old_file(tmp_pa
 
 
 def test_ranks_saving_to_the_same_path_never_tear_it(tmp_path: Path) -> None:
-    import _sync_workers
+    from workers import sync as sync_workers
 
     from refimpl.launch import spawn
 
     target = tmp_path / "shared.pt"
-    assert spawn(_sync_workers.hammer_one_file, 3, str(target), 30, timeout_s=60) == [30] * 3
+    assert spawn(sync_workers.hammer_one_file, 3, str(target), 30, timeout_s=60) == [30] * 3
     final = torch.load(target, weights_only=True)
     # The last rename overall is some rank's last save: a complete state, never a mix.
     assert final["i"] == 29 and final["rank"] in (0, 1, 2)

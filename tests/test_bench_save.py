@@ -102,9 +102,12 @@ def test_the_reused_stager_saves_the_values_of_each_call(tmp_path: Path, process
             for k in range(2):
                 state = {"w": torch.full((1000,), float(k))}
                 future = async_save(
-                    {"model": state}, checkpoint_id=tmp_path / f"c{k}", no_dist=True,
-                    async_stager=stager, async_checkpointer_type=kind,
-                )  # fmt: skip
+                    {"model": state},
+                    checkpoint_id=tmp_path / f"c{k}",
+                    no_dist=True,
+                    async_stager=stager,
+                    async_checkpointer_type=kind,
+                )
                 state["w"].add_(100)  # training moves on while the write is in flight
                 future.result()  # type: ignore[union-attr]
     finally:
@@ -132,10 +135,15 @@ def test_the_figures_leave_pyplot_and_its_backend_alone() -> None:
 
     def row(method: str, nbytes: int, blocked: float, total: float) -> dict[str, object]:
         return {
-            "method": method, "bytes": nbytes, "blocking_s_median": blocked,
-            "blocking_s_min": blocked * 0.9, "blocking_s_max": blocked * 1.2,
-            "total_s_median": total, "total_s_min": total * 0.9, "total_s_max": total * 1.1,
-        }  # fmt: skip
+            "method": method,
+            "bytes": nbytes,
+            "blocking_s_median": blocked,
+            "blocking_s_min": blocked * 0.9,
+            "blocking_s_max": blocked * 1.2,
+            "total_s_median": total,
+            "total_s_min": total * 0.9,
+            "total_s_max": total * 1.1,
+        }
 
     data = {
         "rows": [

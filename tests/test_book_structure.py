@@ -100,13 +100,18 @@ def test_every_citation_has_a_bibliography_entry() -> None:
 
 
 def test_each_refimpl_module_has_a_test_file() -> None:
-    """Module X is tested in tests/test_X.py; its demos (refimpl.demos.X) are tested there too."""
+    """Module X is tested in tests/test_X.py; a demo refimpl.demos.X in tests/demos/test_X.py,
+    or in tests/test_X.py beside its library module's tests when the names are the same."""
 
     modules = [m.name for m in pkgutil.iter_modules(refimpl.__path__) if not m.ispkg]
-    modules += [m.name for m in pkgutil.iter_modules(refimpl.demos.__path__)]
     for name in modules:
         if name[0] != "_":
             assert (ROOT / "tests" / f"test_{name}.py").exists(), f"no tests/test_{name}.py"
+    for m in pkgutil.iter_modules(refimpl.demos.__path__):
+        places = [ROOT / "tests" / "demos" / f"test_{m.name}.py"]
+        if m.name in {top.name for top in pkgutil.iter_modules(refimpl.__path__)}:
+            places.append(ROOT / "tests" / f"test_{m.name}.py")
+        assert any(p.exists() for p in places), f"no tests/demos/test_{m.name}.py"
 
 
 def test_the_library_never_imports_a_demo_or_a_benchmark() -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _chaos_helpers import tagged_pids
+from helpers.chaos import tagged_pids
 
 from refimpl._compare import first_difference, flatten, load_flat, summary
 from refimpl.chaos import ChaosError, format_table, main, run_chaos
@@ -57,8 +57,12 @@ _HANGS_ON_RESTART = """
 @pytest.mark.timeout(60)
 def test_regex_that_never_matches_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ChaosError) as err:
-        run_chaos(_py("print('hello from the trainer')"), kill_on="step 6 loss",
-                  compare="w.pt", timeout_s=30)  # fmt: skip
+        run_chaos(
+            _py("print('hello from the trainer')"),
+            kill_on="step 6 loss",
+            compare="w.pt",
+            timeout_s=30,
+        )
     message = str(err.value)
     assert "the reference run" in message
     assert "without a line matching --kill-on 'step 6 loss'" in message
@@ -85,17 +89,24 @@ def test_run_past_its_timeout_is_killed_with_everything_it_started() -> None:
         print("step 1", flush=True); time.sleep(120)
     """
     with pytest.raises(ChaosError, match=r"still running after --timeout 2 s"):
-        run_chaos(_py(code), kill_on="never", compare="w.pt", timeout_s=2,
-                  env={"CHAOS_TEST_TAG": tag})  # fmt: skip
+        run_chaos(
+            _py(code), kill_on="never", compare="w.pt", timeout_s=2, env={"CHAOS_TEST_TAG": tag}
+        )
     assert tagged_pids(tag) == []
 
 
 @pytest.mark.timeout(60)
 def test_no_process_left_behind_by_a_job_killed_and_rerun(tmp_path: Path) -> None:
     tag = uuid.uuid4().hex
-    rows = run_chaos(_py(_LEAVES_ORPHAN), kill_on="^started$", compare="w.safetensors",
-                     scenarios=["kill-job"], timeout_s=30, work=tmp_path,
-                     env={"CHAOS_TEST_TAG": tag})  # fmt: skip
+    rows = run_chaos(
+        _py(_LEAVES_ORPHAN),
+        kill_on="^started$",
+        compare="w.safetensors",
+        scenarios=["kill-job"],
+        timeout_s=30,
+        work=tmp_path,
+        env={"CHAOS_TEST_TAG": tag},
+    )
     assert [(r.scenario, r.landed, r.equal) for r in rows] == [("kill-job", "started", True)]
     assert tagged_pids(tag) == []  # the reference's, the killed run's and the rerun's orphans
 
@@ -103,8 +114,14 @@ def test_no_process_left_behind_by_a_job_killed_and_rerun(tmp_path: Path) -> Non
 def _assert_rank1_killed_and_the_restart_hung(launcher: str, work: Path) -> None:
     """``launcher`` (a `_HANGS_ON_RESTART` variant) under ``kill-rank1``: a failed row."""
     code = launcher + _LEAVES_ORPHAN.split("time.sleep(0.5)")[1]
-    rows = run_chaos(_py(code), kill_on="^started$", compare="w.safetensors",
-                     scenarios=["kill-rank1"], timeout_s=5, work=work)  # fmt: skip
+    rows = run_chaos(
+        _py(code),
+        kill_on="^started$",
+        compare="w.safetensors",
+        scenarios=["kill-rank1"],
+        timeout_s=5,
+        work=work,
+    )
     assert [(r.scenario, r.landed, r.equal) for r in rows] == [("kill-rank1", "started", False)]
     assert rows[0].difference is not None
     assert rows[0].difference.startswith("still running after the timeout"), rows[0].difference
@@ -128,13 +145,35 @@ def test_a_worker_that_appears_just_after_the_kill_line_is_still_found(tmp_path:
 @pytest.mark.timeout(60)
 def test_cli_exit_status_and_message(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
-    cmd = [sys.executable, "-m", "refimpl.chaos", "--kill-on", "nope", "--compare", "w.pt",
-           "--", *_py("print('hi')")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "refimpl.chaos",
+        "--kill-on",
+        "nope",
+        "--compare",
+        "w.pt",
+        "--",
+        *_py("print('hi')"),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=50)
     assert done.returncode == 2, done.stderr
     assert "without a line matching --kill-on 'nope'" in done.stderr
-    assert main(["--kill-on", "x", "--compare", "w.pt", "--json", str(tmp_path / "j"), "--",
-                 *_py(_LEAVES_ORPHAN)]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "--kill-on",
+                "x",
+                "--compare",
+                "w.pt",
+                "--json",
+                str(tmp_path / "j"),
+                "--",
+                *_py(_LEAVES_ORPHAN),
+            ]
+        )
+        == 2
+    )
     assert not (tmp_path / "j").exists()
 
 
@@ -182,11 +221,31 @@ def test_comparison_tells_apart_what_equality_confuses() -> None:
 
 @pytest.mark.timeout(60)
 def test_json_rows_round_trip(tmp_path: Path) -> None:
-    rows = run_chaos(_py(_LEAVES_ORPHAN), kill_on="^started$", compare="w.safetensors",
-                     scenarios=["kill-job"], timeout_s=30)  # fmt: skip
+    rows = run_chaos(
+        _py(_LEAVES_ORPHAN),
+        kill_on="^started$",
+        compare="w.safetensors",
+        scenarios=["kill-job"],
+        timeout_s=30,
+    )
     out = tmp_path / "rows.json"
-    assert main(["--kill-on", "^started$", "--compare", "w.safetensors", "--scenarios",
-                 "kill-job", "--json", str(out), "--", *_py(_LEAVES_ORPHAN)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "--kill-on",
+                "^started$",
+                "--compare",
+                "w.safetensors",
+                "--scenarios",
+                "kill-job",
+                "--json",
+                str(out),
+                "--",
+                *_py(_LEAVES_ORPHAN),
+            ]
+        )
+        == 0
+    )
     saved = json.loads(out.read_text())
     assert [(d["scenario"], d["equal"]) for d in saved] == [(r.scenario, r.equal) for r in rows]
 
@@ -218,13 +277,23 @@ _STAMPS_ITS_RUN = """
 @pytest.mark.timeout(60)
 def test_jobs_runs_scenarios_side_by_side_and_keeps_their_order(tmp_path: Path) -> None:
     names = ["kill-rank1", "sigterm-job"]
-    rows = run_chaos(_py(_STAMPS_ITS_RUN), kill_on="^started$", compare="w.safetensors",
-                     scenarios=names, timeout_s=30, work=tmp_path, jobs=2)  # fmt: skip
+    rows = run_chaos(
+        _py(_STAMPS_ITS_RUN),
+        kill_on="^started$",
+        compare="w.safetensors",
+        scenarios=names,
+        timeout_s=30,
+        work=tmp_path,
+        jobs=2,
+    )
     assert [(r.scenario, r.equal) for r in rows] == [(n, True) for n in names]
     (a0, a1), (b0, b1) = (
-        (float((tmp_path / n / "started_at").read_text()),
-         float((tmp_path / n / "ended_at").read_text())) for n in names
-    )  # fmt: skip
+        (
+            float((tmp_path / n / "started_at").read_text()),
+            float((tmp_path / n / "ended_at").read_text()),
+        )
+        for n in names
+    )
     assert a0 < b1 and b0 < a1, "with jobs=2 the two scenarios' runs overlap in time"
     with pytest.raises(ChaosError, match="jobs must be a whole number >= 1, not 0"):
         run_chaos(_py(_STAMPS_ITS_RUN), kill_on="^started$", compare="w.safetensors", jobs=0)
@@ -233,13 +302,28 @@ def test_jobs_runs_scenarios_side_by_side_and_keeps_their_order(tmp_path: Path) 
 @pytest.mark.timeout(60)
 def test_a_reference_reused_is_compared_and_not_run_again(tmp_path: Path) -> None:
     first = tmp_path / "first"
-    assert run_chaos(_py(_STAMPS_ITS_RUN), kill_on="^started$", compare="w.safetensors",
-                     scenarios=[], timeout_s=30, work=first) == []  # fmt: skip
+    assert (
+        run_chaos(
+            _py(_STAMPS_ITS_RUN),
+            kill_on="^started$",
+            compare="w.safetensors",
+            scenarios=[],
+            timeout_s=30,
+            work=first,
+        )
+        == []
+    )
     assert (first / "reference" / "w.safetensors").is_file()
     again = tmp_path / "again"
-    rows = run_chaos(_py(_STAMPS_ITS_RUN), kill_on="^started$", compare="w.safetensors",
-                     scenarios=["kill-rank1"], timeout_s=30, work=again,
-                     reference=first / "reference")  # fmt: skip
+    rows = run_chaos(
+        _py(_STAMPS_ITS_RUN),
+        kill_on="^started$",
+        compare="w.safetensors",
+        scenarios=["kill-rank1"],
+        timeout_s=30,
+        work=again,
+        reference=first / "reference",
+    )
     assert [(r.scenario, r.equal) for r in rows] == [("kill-rank1", True)]
     assert sorted(p.name for p in again.iterdir()) == ["kill-rank1", "kill-rank1.logs"]  # no ref
     # A reference that differs is caught: the comparison really uses the file given.
@@ -247,15 +331,39 @@ def test_a_reference_reused_is_compared_and_not_run_again(tmp_path: Path) -> Non
     other.mkdir()
     head = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
     (other / "w.safetensors").write_bytes(len(head).to_bytes(8, "little") + head + b"\0\0\0@")
-    (row,) = run_chaos(_py(_STAMPS_ITS_RUN), kill_on="^started$", compare="w.safetensors",
-                       scenarios=["kill-rank1"], timeout_s=30, reference=other)  # fmt: skip
+    (row,) = run_chaos(
+        _py(_STAMPS_ITS_RUN),
+        kill_on="^started$",
+        compare="w.safetensors",
+        scenarios=["kill-rank1"],
+        timeout_s=30,
+        reference=other,
+    )
     assert not row.equal and row.difference == "w: max abs diff 1", row.difference
     with pytest.raises(ChaosError, match=r"--reference .*nowhere: no readable w.safetensors"):
-        run_chaos(_py(_STAMPS_ITS_RUN), kill_on="^started$", compare="w.safetensors",
-                  reference=tmp_path / "nowhere")  # fmt: skip
-    assert main(["--kill-on", "^started$", "--compare", "w.safetensors", "--scenarios",
-                 "kill-rank1", "--reference", str(first / "reference"), "--",
-                 *_py(_STAMPS_ITS_RUN)]) == 0  # fmt: skip
+        run_chaos(
+            _py(_STAMPS_ITS_RUN),
+            kill_on="^started$",
+            compare="w.safetensors",
+            reference=tmp_path / "nowhere",
+        )
+    assert (
+        main(
+            [
+                "--kill-on",
+                "^started$",
+                "--compare",
+                "w.safetensors",
+                "--scenarios",
+                "kill-rank1",
+                "--reference",
+                str(first / "reference"),
+                "--",
+                *_py(_STAMPS_ITS_RUN),
+            ]
+        )
+        == 0
+    )
 
 
 # A job script's wrapper (``run.sh``, ``uv run``) around a torchrun-like launcher, in a job

@@ -1,4 +1,4 @@
-"""refimpl.chaos on trainers written the way others write them (tests/_chaos_*_style.py,
+"""refimpl.chaos on trainers written the way others write them (tests/workers/chaos_*_style.py,
 self-written in the style of nanoGPT and MiniMind): a restart of a trainer that builds its own
 process group under torchrun hangs, and chaos says why and how to fix it; with the fix the
 kill test gives a verdict. Each broken trainer is caught, each fixed one passes, and a trainer
@@ -14,7 +14,8 @@ import pytest
 from refimpl.chaos import format_table, run_chaos
 
 HERE = Path(__file__).parent
-NANO, MINI = str(HERE / "_chaos_nanogpt_style.py"), str(HERE / "_chaos_minimind_style.py")
+NANO = str(HERE / "workers" / "chaos_nanogpt_style.py")
+MINI = str(HERE / "workers" / "chaos_minimind_style.py")
 FIX = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # the fix chaos names for a restart hang
 
 
@@ -86,7 +87,7 @@ def test_nanogpt_style_restart_hang_is_explained_then_the_fix_passes(
             failures.append(got)
             break
     assert failures, "three restarts in a row found the new keys in time"
-    assert "_chaos_nanogpt_style.py" in failures[0] and "init_process_group" in failures[0]
+    assert "chaos_nanogpt_style.py" in failures[0] and "init_process_group" in failures[0]
     assert "Known cause: the trainer creates its own process group" in failures[0]
     fixed = _nano(["--rng-save"], nano_reference, tmp_path / "fixed", env=FIX)
     assert fixed.startswith("equal\n"), fixed

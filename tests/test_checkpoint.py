@@ -264,7 +264,7 @@ def test_resave_killed_at_random_points_never_loses_the_step(tmp_path: Path) -> 
     import random
     import time
 
-    from _workers import resave_forever
+    from workers.launch import resave_forever
 
     from refimpl.launch import _forkserver_preload
 
@@ -560,8 +560,12 @@ def test_cli_list_verify_inspect_on_good_and_corrupted_checkpoints(tmp_path: Pat
     for step in (100, 200):
         save_checkpoint(tmp_path, {"model": {"w": torch.ones(64, 32)}, "optim": {"s": step}}, step)
     # Once as a reader types it; the other calls run the same main() in this process.
-    done = subprocess.run([sys.executable, "-m", "refimpl.checkpoint", "list", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "refimpl.checkpoint", "list", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert (done.returncode, done.stdout + done.stderr) == _cli("list", str(tmp_path))
     code, out = _cli("list", str(tmp_path))
     assert code == 0 and out.count("verified") == 2, out
@@ -641,8 +645,10 @@ def test_a_writer_killed_between_the_fallbacks_two_renames_loses_no_step(
     assert _steps(tmp_path) == [4, 8, 9]
     assert load_checkpoint(tmp_path / "step_00000008") == {"meta": {"v": survivor}}
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "step_00000004", "step_00000008", "step_00000009"
-    ]  # fmt: skip
+        "step_00000004",
+        "step_00000008",
+        "step_00000009",
+    ]
 
 
 # --- Issue 19 #4: a tensor subclass is judged as torch.load(weights_only=True) judges it ------
@@ -660,10 +666,12 @@ def _tensor_with_path_attribute() -> torch.Tensor:
 
 @pytest.mark.parametrize(
     ("make", "kind"),
-    [(lambda: torch.ones(2).as_subclass(_TaggedTensor), "_TaggedTensor"),
-     (_tensor_with_path_attribute, "PosixPath")],
+    [
+        (lambda: torch.ones(2).as_subclass(_TaggedTensor), "_TaggedTensor"),
+        (_tensor_with_path_attribute, "PosixPath"),
+    ],
     ids=["subclass", "attribute"],
-)  # fmt: skip
+)
 def test_a_tensor_weights_only_load_refuses_is_refused_before_anything_is_pruned(
     tmp_path: Path, make: object, kind: str
 ) -> None:
@@ -725,8 +733,11 @@ def test_on_load_gets_the_returned_steps_verified_manifest_only(tmp_path: Path) 
     (newest / PACK).write_bytes(b"torn")  # the newest is skipped
     loaded: list[tuple[str, dict]] = []  # type: ignore[type-arg]
     skipped: list[str] = []
-    found = load_latest(tmp_path, on_skip=lambda d, why: skipped.append(d.name),
-                        on_load=lambda d, m: loaded.append((d.name, m)))  # fmt: skip
+    found = load_latest(
+        tmp_path,
+        on_skip=lambda d, why: skipped.append(d.name),
+        on_load=lambda d, m: loaded.append((d.name, m)),
+    )
     assert found is not None and found[0] == 1
     assert skipped == ["step_00000002"]
     assert [name for name, _ in loaded] == ["step_00000001"]

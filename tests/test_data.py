@@ -171,8 +171,16 @@ def test_batches_run_epoch_after_epoch_and_pair_each_batch_with_its_position() -
     got = [next(b) for _ in range(9)]  # 3 global batches an epoch (the last one padded)
     assert [batch for _, batch in got] == _stream(10, 2, 2, 3)[0]
     assert [(st_["epoch"], st_["position"]) for st_, _ in got] == [
-        (0, 0), (0, 4), (0, 8), (1, 0), (1, 4), (1, 8), (2, 0), (2, 4), (2, 8)
-    ]  # fmt: skip
+        (0, 0),
+        (0, 4),
+        (0, 8),
+        (1, 0),
+        (1, 4),
+        (1, 8),
+        (2, 0),
+        (2, 4),
+        (2, 8),
+    ]
     assert b.state_dict() == {"seed": 0, "epoch": 2, "position": 12}  # after the last one
     assert iter(b) is b
 
@@ -191,8 +199,10 @@ def test_resuming_from_a_batchs_position_draws_that_batch_again_at_any_world_siz
 ) -> None:
     if n < batch * max(ws, new_ws) and tail == "drop":
         return  # no full batch at all: refused (next test)
-    ranks = [ResumableBatches(ResumableSampler(n, batch_size=batch, rank=r, world_size=ws,
-                                               tail=tail)) for r in range(ws)]  # type: ignore[arg-type]  # fmt: skip
+    ranks = [
+        ResumableBatches(ResumableSampler(n, batch_size=batch, rank=r, world_size=ws, tail=tail))
+        for r in range(ws)
+    ]  # type: ignore[arg-type]
     drawn = [[next(b) for _ in range(k + 1)] for b in ranks]  # batch k was fetched ahead ...
     states = [d[k][0] for d in drawn]  # ... and its position is what a checkpoint saves
     assert all(st_ == states[0] for st_ in states)  # the same on every rank
@@ -225,8 +235,13 @@ def test_batches_refuse_an_epoch_without_one_full_batch_instead_of_looping() -> 
 
 
 @settings(max_examples=100, deadline=None)
-@given(n=st.integers(1, 30), batch=st.integers(1, 4), ws=st.integers(1, 3),
-       start=st.integers(0, 30), k=st.integers(0, 20))  # fmt: skip
+@given(
+    n=st.integers(1, 30),
+    batch=st.integers(1, 4),
+    ws=st.integers(1, 3),
+    start=st.integers(0, 30),
+    k=st.integers(0, 20),
+)
 def test_batches_state_dict_is_the_samplers_when_nothing_is_fetched_ahead(
     n: int, batch: int, ws: int, start: int, k: int
 ) -> None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import _ddp_workers
 import pytest
+from workers import ddp as ddp_workers
 
 from refimpl.ddp import MiniDDP
 from refimpl.demos.ddp import (
@@ -49,7 +49,7 @@ def test_gradients_and_parameters_equal_torch_ddp(world: int, cap: float, fp16: 
 
 @pytest.mark.parametrize("skipper", [1, None])
 def test_find_unused_parameters_matches_torch_ddp(skipper: int | None) -> None:
-    for grads in spawn(_ddp_workers.unused_parity, 2, skipper, timeout_s=60):
+    for grads in spawn(ddp_workers.unused_parity, 2, skipper, timeout_s=60):
         for name, diff in grads.items():
             if skipper is None and name.startswith("branch"):
                 assert diff == (True, True), name  # nobody used it: grad stays None in both
@@ -77,8 +77,8 @@ def test_no_sync_launches_nothing_and_the_next_backward_syncs() -> None:
 
 
 def test_naive_and_mini_agree_and_buffers_come_from_rank0() -> None:
-    assert spawn(_ddp_workers.naive_matches_mini, 2, timeout_s=60) == [0.0, 0.0]
-    assert spawn(_ddp_workers.buffers_broadcast, 2, timeout_s=60) == [True, True]
+    assert spawn(ddp_workers.naive_matches_mini, 2, timeout_s=60) == [0.0, 0.0]
+    assert spawn(ddp_workers.buffers_broadcast, 2, timeout_s=60) == [True, True]
 
 
 def test_first_bucket_launches_while_backward_still_runs() -> None:
@@ -105,8 +105,13 @@ def test_benchmark_writes_json_and_png(tmp_path: Path) -> None:
         result = data["results"]["1.0"][impl]
         assert len(result["samples"]) == 2 and result["cpu"]["n"] == result["faults"]["n"] == 2
     ratios = data["ratios"]["1.0"]
-    assert set(ratios) == {"mini/ddp_view", "mini_late/ddp_view", "naive/ddp_view",
-                           "ddp_default/ddp_view", "mini/ddp_default"}  # fmt: skip
+    assert set(ratios) == {
+        "mini/ddp_view",
+        "mini_late/ddp_view",
+        "naive/ddp_view",
+        "ddp_default/ddp_view",
+        "mini/ddp_default",
+    }
     for r in ratios.values():
         assert r["q1"] <= r["median"] <= r["q3"] and r["ratio_of_medians"] > 0
     profile = data["profile"]["ms_per_step"]

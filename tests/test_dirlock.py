@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _sharded_models import fresh, trained
+from helpers.sharded_models import fresh, trained
 
 from refimpl._checkpoint_cli import main as cli_main
 from refimpl.atomic import remove_stale_temps
@@ -43,9 +43,9 @@ time.sleep(600)
 """
 
 
-def _holder(d: Path, mode: str = "plain", env: dict[str, str] | None = None) -> tuple[
-    subprocess.Popen[str], int | None
-]:  # fmt: skip
+def _holder(
+    d: Path, mode: str = "plain", env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[str], int | None]:
     """A process that holds ``d``'s lock (and, with ``mode="fork"``, a forked child's pid)."""
     proc = subprocess.Popen(
         [sys.executable, "-c", _HOLD, str(d), mode],
@@ -111,8 +111,9 @@ def test_a_torchrun_restart_waits_for_its_earlier_attempt_another_job_does_not(
     """The holder is attempt 0 of run ``job1``. Attempt 1 of ``job1`` (a restart whose
     predecessor is still being stopped) waits and gets the lock when it dies; another run is
     refused without waiting, and so is another job under torchrun's shared default id."""
-    proc, _ = _holder(tmp_path, env={"TORCHELASTIC_RUN_ID": "job1",
-                                     "TORCHELASTIC_RESTART_COUNT": "0"})  # fmt: skip
+    proc, _ = _holder(
+        tmp_path, env={"TORCHELASTIC_RUN_ID": "job1", "TORCHELASTIC_RESTART_COUNT": "0"}
+    )
     try:
         monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job2")
@@ -193,8 +194,20 @@ def test_an_unwritable_directory_is_refused_at_start(tmp_path: Path) -> None:
 
 
 def _train_cmd(ckpt: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "refimpl.train", "--samples", "64", "--save-every", "2",
-            "--progress", "never", "--ckpt-dir", str(ckpt), *extra]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "refimpl.train",
+        "--samples",
+        "64",
+        "--save-every",
+        "2",
+        "--progress",
+        "never",
+        "--ckpt-dir",
+        str(ckpt),
+        *extra,
+    ]
 
 
 @pytest.mark.slow
@@ -207,15 +220,20 @@ def test_a_second_train_job_in_one_ckpt_dir_is_refused_and_the_first_runs_on(
     naming the directory and A's pid; A, stopped by SIGTERM, saves and exits 0."""
     ckpt = tmp_path / "ckpt"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-    a = subprocess.Popen(_train_cmd(ckpt, "--steps", "100000", "--step-sleep", "0.05"),
-                         stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    a = subprocess.Popen(
+        _train_cmd(ckpt, "--steps", "100000", "--step-sleep", "0.05"),
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         assert a.stdout is not None
         for line in a.stdout:  # A has saved a step: B would resume A's model
             if line.startswith("[rank0] saved step_00000002"):
                 break
-        b = subprocess.run(_train_cmd(ckpt, "--steps", "4"), capture_output=True, text=True,
-                           env=env, timeout=120)  # fmt: skip
+        b = subprocess.run(
+            _train_cmd(ckpt, "--steps", "4"), capture_output=True, text=True, env=env, timeout=120
+        )
         assert b.returncode != 0, b.stdout
         assert f"{ckpt}: rank 0: is in use by another run" in b.stderr, b.stderr[-3000:]
         assert f"pid {a.pid}" in b.stderr and "another checkpoint directory" in b.stderr
@@ -237,8 +255,16 @@ def test_torchrun_restart_after_rank_0_is_sigkilled_gets_the_lock_and_finishes(
     the same job, gets the lock and finishes from step 4."""
     from refimpl.demos.train import attempts, run_train
 
-    args = ["--steps", "8", "--save-every", "4", "--samples", "64", "--ckpt-dir",
-            str(tmp_path / "ckpt")]  # fmt: skip
+    args = [
+        "--steps",
+        "8",
+        "--save-every",
+        "4",
+        "--samples",
+        "64",
+        "--ckpt-dir",
+        str(tmp_path / "ckpt"),
+    ]
     run = run_train(args, kills=[(0, 5)], timeout_s=150)
     assert run.returncode == 0, f"{run.stdout}\n{run.stderr[-3000:]}"
     summary = attempts(run.events)
@@ -265,8 +291,9 @@ def test_a_read_only_ckpt_dir_is_refused_before_the_first_step(tmp_path: Path) -
     """Found at the first save, on every restart, it was: now at start, before any step."""
     ckpt = tmp_path / "ckpt"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-    first = subprocess.run(_train_cmd(ckpt, "--steps", "4"), capture_output=True, text=True,
-                           env=env, timeout=120)  # fmt: skip
+    first = subprocess.run(
+        _train_cmd(ckpt, "--steps", "4"), capture_output=True, text=True, env=env, timeout=120
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     cmd = _read_only(_train_cmd(ckpt, "--steps", "8"), ckpt)
     try:

@@ -160,8 +160,12 @@ _CHILD = textwrap.dedent(
 def test_the_save_in_flight_commits_on_sigterm_and_at_exit(tmp_path: Path, how: str) -> None:
     """SIGTERM (pre-emption) or the end of the script while an 8 MiB save is paced to 2% of a
     core: the process waits for it, then ends as it would have (SIGTERM: killed by it)."""
-    done = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path), how],
-                          capture_output=True, text=True, timeout=100)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(tmp_path), how],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     expected = -signal.SIGTERM if how == "sigterm" else 0
     assert done.returncode == expected, done.stderr
     assert "survived" not in done.stdout

@@ -12,8 +12,8 @@ import threading
 import time
 from typing import Any
 
-import _host_exchange_workers as workers
 import pytest
+from workers import host_exchange as workers
 
 from refimpl.guard._host_exchange import _HEAD, ExchangeFailed, HostExchange, _name
 from refimpl.launch import spawn

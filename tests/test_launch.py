@@ -10,9 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-import _workers
 import pytest
 import torch
+from workers import launch as launch_workers
 
 from refimpl.launch import NotSpawnableError, WorkerError, WorkerTimeout, spawn
 
@@ -31,16 +31,16 @@ def _pids(pid_dir: Path) -> list[int]:
 
 
 def test_results_come_back_in_rank_order() -> None:
-    assert spawn(_workers.rank_and_sum, 3) == [(0, 3, 6.0), (1, 3, 6.0), (2, 3, 6.0)]
+    assert spawn(launch_workers.rank_and_sum, 3) == [(0, 3, 6.0), (1, 3, 6.0), (2, 3, 6.0)]
 
 
 def test_world_size_one_works() -> None:
-    assert spawn(_workers.rank_and_sum, 1) == [(0, 1, 1.0)]
+    assert spawn(launch_workers.rank_and_sum, 1) == [(0, 1, 1.0)]
 
 
 def test_torchrun_environment_is_set_and_parent_env_is_passed(monkeypatch) -> None:
     monkeypatch.setenv("FROM_PARENT", "yes")
-    views = spawn(_workers.env_view, 2)
+    views = spawn(launch_workers.env_view, 2)
     assert views == [
         {
             "RANK": str(r),
@@ -54,7 +54,7 @@ def test_torchrun_environment_is_set_and_parent_env_is_passed(monkeypatch) -> No
 
 
 def test_large_results_do_not_deadlock() -> None:
-    out = spawn(_workers.big_result, 2, 2_000_000)
+    out = spawn(launch_workers.big_result, 2, 2_000_000)
     assert [t.shape[0] for t in out] == [2_000_000, 2_000_000]
     assert out[1].sum().item() == 2_000_000.0
 
@@ -63,7 +63,7 @@ def test_large_results_do_not_deadlock() -> None:
 def test_worker_error_names_its_rank_and_keeps_the_traceback(bad_rank: int) -> None:
     start = time.monotonic()
     with pytest.raises(WorkerError) as info:
-        spawn(_workers.fail_on, 3, bad_rank, timeout_s=30)
+        spawn(launch_workers.fail_on, 3, bad_rank, timeout_s=30)
     err = info.value
     assert err.rank == bad_rank
     assert f"rank {bad_rank} raised ValueError: boom on rank {bad_rank}" in str(err)
@@ -75,14 +75,14 @@ def test_worker_error_names_its_rank_and_keeps_the_traceback(bad_rank: int) -> N
 
 def test_unpicklable_exception_still_reports_type_and_message() -> None:
     with pytest.raises(WorkerError, match=r"rank 0 raised Unpicklable: 1\+2") as info:
-        spawn(_workers.raise_unpicklable, 1)
+        spawn(launch_workers.raise_unpicklable, 1)
     assert info.value.__cause__ is None
 
 
 def test_hung_worker_ends_as_timeout_and_no_process_survives(tmp_path: Path) -> None:
     start = time.monotonic()
     with pytest.raises(WorkerTimeout) as info:
-        spawn(_workers.record_pid_then, 2, str(tmp_path), "hang", timeout_s=4)
+        spawn(launch_workers.record_pid_then, 2, str(tmp_path), "hang", timeout_s=4)
     elapsed = time.monotonic() - start
     assert info.value.ranks == [0, 1]
     assert 4 <= elapsed < 12, elapsed
@@ -94,7 +94,7 @@ def test_hung_worker_ends_as_timeout_and_no_process_survives(tmp_path: Path) -> 
 
 def test_rank_killed_by_signal_is_named_and_everything_is_reaped(tmp_path: Path) -> None:
     with pytest.raises(WorkerError, match="rank 1 was killed by SIGKILL") as info:
-        spawn(_workers.record_pid_then, 3, str(tmp_path), "sigkill_rank1", timeout_s=30)
+        spawn(launch_workers.record_pid_then, 3, str(tmp_path), "sigkill_rank1", timeout_s=30)
     assert info.value.rank == 1
     time.sleep(0.2)
     pids = _pids(tmp_path)
@@ -104,7 +104,7 @@ def test_rank_killed_by_signal_is_named_and_everything_is_reaped(tmp_path: Path)
 
 def test_exception_kills_the_other_ranks_and_their_children(tmp_path: Path) -> None:
     with pytest.raises(WorkerError, match="rank 0 raised RuntimeError: rank 0 gives up"):
-        spawn(_workers.record_pid_then, 2, str(tmp_path), "raise_rank0", timeout_s=30)
+        spawn(launch_workers.record_pid_then, 2, str(tmp_path), "raise_rank0", timeout_s=30)
     time.sleep(0.2)
     pids = _pids(tmp_path)
     assert len(pids) == 4
@@ -114,7 +114,7 @@ def test_exception_kills_the_other_ranks_and_their_children(tmp_path: Path) -> N
 def test_skipped_collective_ends_as_error_after_group_timeout() -> None:
     start = time.monotonic()
     with pytest.raises(WorkerError) as info:
-        spawn(_workers.skip_collective_on, 2, 1, timeout_s=30, pg_timeout_s=2)
+        spawn(launch_workers.skip_collective_on, 2, 1, timeout_s=30, pg_timeout_s=2)
     # Rank 0 waited in all_reduce for rank 1; gloo's 2 s timeout turned the hang into an error.
     assert info.value.rank == 0
     assert time.monotonic() - start < 15
@@ -139,7 +139,7 @@ def test_functions_from_main_or_closures_are_refused_before_starting() -> None:
 
 def test_bad_world_size_is_refused() -> None:
     with pytest.raises(ValueError, match="world_size must be at least 1"):
-        spawn(_workers.rank_and_sum, 0)
+        spawn(launch_workers.rank_and_sum, 0)
 
 
 def test_init_from_env_without_torchrun_runs_as_a_world_of_one() -> None:
@@ -176,23 +176,23 @@ def test_init_from_env_inside_spawn_reports_position() -> None:
 
 
 def test_rank_output_is_hidden_by_default_and_shown_in_rank_order(capfd) -> None:
-    assert spawn(_workers.print_then_maybe_fail, 2, False) == [0, 1]
+    assert spawn(launch_workers.print_then_maybe_fail, 2, False) == [0, 1]
     assert "hello from rank" not in capfd.readouterr().out
-    spawn(_workers.print_then_maybe_fail, 2, False, rank_output="show")
+    spawn(launch_workers.print_then_maybe_fail, 2, False, rank_output="show")
     lines = [x for x in capfd.readouterr().out.splitlines() if x.startswith("[rank")]
     assert lines == ["[rank 0] hello from rank 0", "[rank 1] hello from rank 1"]
 
 
 def test_failing_rank_output_is_kept_on_the_error() -> None:
     with pytest.raises(WorkerError) as info:
-        spawn(_workers.print_then_maybe_fail, 2, True)
+        spawn(launch_workers.print_then_maybe_fail, 2, True)
     assert info.value.rank == 1
     assert "hello from rank 1" in info.value.output
 
 
 def test_unknown_rank_output_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="rank_output"):
-        spawn(_workers.rank_and_sum, 2, rank_output="loud")
+        spawn(launch_workers.rank_and_sum, 2, rank_output="loud")
 
 
 @pytest.mark.slow
@@ -203,9 +203,10 @@ def test_launcher_killed_by_sigkill_leaves_no_rank_behind(tmp_path: Path) -> Non
     import sys
 
     script = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import _workers\n"
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "from workers import launch as launch_workers\n"
         "from refimpl.launch import spawn\n"
-        "spawn(_workers.record_pid_then, 2, sys.argv[2], 'hang', timeout_s=600)\n"
+        "spawn(launch_workers.record_pid_then, 2, sys.argv[2], 'hang', timeout_s=600)\n"
     )
     tests_dir = str(Path(__file__).parent)
     launcher = subprocess.Popen([sys.executable, "-c", script, tests_dir, str(tmp_path)])
@@ -227,7 +228,7 @@ def test_launcher_killed_by_sigkill_leaves_no_rank_behind(tmp_path: Path) -> Non
 def test_root_cause_wins_over_a_peer_wrapping_its_connection_error() -> None:
     with pytest.raises(WorkerError) as info:
         spawn(
-            _workers.real_cause_on_rank1_wrapped_collateral_on_rank0,
+            launch_workers.real_cause_on_rank1_wrapped_collateral_on_rank0,
             2,
             timeout_s=30,
             pg_timeout_s=10,
@@ -244,7 +245,7 @@ def test_a_rank_killed_while_its_result_is_in_flight_never_hangs_the_launcher() 
 
     start = time.monotonic()
     try:
-        spawn(_workers.die_while_reporting, 2, 200, timeout_s=30)
+        spawn(launch_workers.die_while_reporting, 2, 200, timeout_s=30)
     except WorkerError as err:
         assert err.rank == 1 and "SIGKILL" in str(err), err
     assert time.monotonic() - start < 40
@@ -260,9 +261,10 @@ def test_what_ranks_print_survives_without_pythonunbuffered(tmp_path: Path) -> N
     tests_dir = str(Path(__file__).parent)
     env["PYTHONPATH"] = tests_dir + os.pathsep + env.get("PYTHONPATH", "")
     code = (
-        "import _workers\nfrom refimpl.launch import spawn, WorkerError\n"
-        "spawn(_workers.print_no_flush, 2, False, rank_output={mode!r}, timeout_s=60)\n"
-        "try:\n    spawn(_workers.print_no_flush, 2, True, timeout_s=60)\n"
+        "from workers import launch as launch_workers\n"
+        "from refimpl.launch import spawn, WorkerError\n"
+        "spawn(launch_workers.print_no_flush, 2, False, rank_output={mode!r}, timeout_s=60)\n"
+        "try:\n    spawn(launch_workers.print_no_flush, 2, True, timeout_s=60)\n"
         "except WorkerError as err:\n    print('FAILED RANK OUTPUT:', err.output.strip())\n"
     )
     for mode in ("show", "inherit", "hide"):
@@ -284,24 +286,24 @@ def test_what_ranks_print_survives_without_pythonunbuffered(tmp_path: Path) -> N
 
 
 def test_a_rank_can_start_dataloader_workers() -> None:
-    assert spawn(_workers.dataloader_workers_in_a_rank, 2, timeout_s=120) == [28, 28]
+    assert spawn(launch_workers.dataloader_workers_in_a_rank, 2, timeout_s=120) == [28, 28]
 
 
 def test_a_rank_killed_by_a_realtime_signal_is_named() -> None:
     with pytest.raises(WorkerError, match=r"rank 1 was killed by SIGRTMIN\+1") as info:
-        spawn(_workers.killed_by_realtime_signal, 2, timeout_s=60)
+        spawn(launch_workers.killed_by_realtime_signal, 2, timeout_s=60)
     assert info.value.rank == 1
 
 
 def test_an_unpicklable_return_value_says_what_happened() -> None:
     with pytest.raises(WorkerError, match="cannot be pickled") as info:
-        spawn(_workers.return_unpicklable, 1, timeout_s=60)
+        spawn(launch_workers.return_unpicklable, 1, timeout_s=60)
     assert info.value.rank == 0 and "function" in str(info.value)
 
 
 def test_an_exception_the_launcher_cannot_import_is_still_a_worker_error() -> None:
     with pytest.raises(WorkerError, match="cannot unpickle") as info:
-        spawn(_workers.raise_exception_parent_cannot_import, 1, timeout_s=60)
+        spawn(launch_workers.raise_exception_parent_cannot_import, 1, timeout_s=60)
     assert info.value.rank == 0
     # the rank's own message and traceback still reach the caller (issue 19)
     assert "rank 0 raised GhostError: a class the launcher cannot import" in str(info.value)
@@ -313,7 +315,7 @@ def test_an_exception_the_launcher_cannot_import_is_still_a_worker_error() -> No
 
 def test_a_collective_timeout_names_the_rank_that_never_came_with_its_stack() -> None:
     with pytest.raises(WorkerError) as info:
-        spawn(_workers.skip_collective_on, 2, 1, timeout_s=60, pg_timeout_s=2)
+        spawn(launch_workers.skip_collective_on, 2, 1, timeout_s=60, pg_timeout_s=2)
     err = info.value
     assert err.rank == 0  # the rank that timed out waiting
     assert list(err.stacks) == [1] and "in skip_collective_on" in err.stacks[1]
@@ -323,7 +325,7 @@ def test_a_collective_timeout_names_the_rank_that_never_came_with_its_stack() ->
 
 def test_a_job_timeout_reports_where_every_live_rank_was() -> None:
     with pytest.raises(WorkerTimeout) as info:
-        spawn(_workers.skip_collective_on, 2, 1, timeout_s=8, pg_timeout_s=60)
+        spawn(launch_workers.skip_collective_on, 2, 1, timeout_s=8, pg_timeout_s=60)
     err = info.value
     assert sorted(err.stacks) == [0, 1]
     assert "all_reduce" in err.stacks[0] and "time.sleep" not in err.stacks[0]
@@ -333,7 +335,7 @@ def test_a_job_timeout_reports_where_every_live_rank_was() -> None:
 
 def test_a_grandchild_in_a_new_session_does_not_outlive_spawn(tmp_path: Path) -> None:
     with pytest.raises(WorkerError):
-        spawn(_workers.start_escaping_grandchild_then_fail, 2, str(tmp_path), timeout_s=60)
+        spawn(launch_workers.start_escaping_grandchild_then_fail, 2, str(tmp_path), timeout_s=60)
     pids = [int(p.read_text()) for p in sorted(tmp_path.glob("rank*.pid"))]
     assert len(pids) == 2
     deadline = time.monotonic() + 10
@@ -353,8 +355,8 @@ def _running(pid: int) -> bool:
 def test_partial_and_keyword_arguments_reach_the_worker() -> None:
     import functools
 
-    assert spawn(_workers.scaled_rank, 2, 10, kwargs={"offset": 1}) == [1, 11]
-    assert spawn(functools.partial(_workers.scaled_rank, 5, offset=2), 2) == [2, 7]
+    assert spawn(launch_workers.scaled_rank, 2, 10, kwargs={"offset": 1}) == [1, 11]
+    assert spawn(functools.partial(launch_workers.scaled_rank, 5, offset=2), 2) == [2, 7]
     with pytest.raises(NotSpawnableError, match=r"defined in __main__|lambda"):
         spawn(functools.partial(lambda x: x, 1), 1)
 
@@ -385,16 +387,16 @@ def test_bad_arguments_are_refused_before_anything_is_created(
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where spawn's run dir would go
     world_size = kwargs.pop("world_size", 2)
     with pytest.raises(ValueError, match=shown):
-        spawn(_workers.rank_and_sum, world_size, **kwargs)
+        spawn(launch_workers.rank_and_sum, world_size, **kwargs)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_the_time_limit_covers_start_up() -> None:
-    spawn(_workers.rank_and_sum, 1)  # the fork server is up: its own start is not measured
+    spawn(launch_workers.rank_and_sum, 1)  # the fork server is up: its own start is not measured
     limit = 0.05
     start = time.monotonic()
     with pytest.raises(WorkerTimeout, match="starting"):
-        spawn(_workers.rank_and_sum, 64, timeout_s=limit)
+        spawn(launch_workers.rank_and_sum, 64, timeout_s=limit)
     elapsed = time.monotonic() - start
     # Before the fix the clock started after every rank was up: 6.2 s for 64 ranks here. The
     # slack is wide so that a loaded machine (two test workers on two cores) cannot fail it.
@@ -424,8 +426,8 @@ def test_restarted_attempts_never_read_a_dead_attempts_keys(tmp_path: Path) -> N
     process forked from the launcher's fork server (torch imported, no group ever made)."""
     import multiprocessing as mp
 
-    from _workers import restarted_attempt
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
+    from workers.launch import restarted_attempt
 
     from refimpl.launch import _forkserver_preload
 
@@ -538,7 +540,7 @@ def test_a_rank_does_not_tear_down_while_a_peer_is_still_connecting(
     # already begun to tear its group down. Without the wait in bootstrap it has.
     verdict = tmp_path / "verdict"
     monkeypatch.setenv("REFIMPL_TEST_SLOW_CONNECT", f"1:1.5:{verdict}")
-    assert spawn(_workers.no_collective, 2, timeout_s=60) == [0, 1]
+    assert spawn(launch_workers.no_collective, 2, timeout_s=60) == [0, 1]
     assert verdict.read_text() == "intact"
 
 
@@ -546,7 +548,7 @@ def test_a_rank_does_not_tear_down_while_a_peer_is_still_connecting(
 def test_workers_without_collectives_start_and_stop_cleanly_many_times() -> None:
     # Probabilistic (the race needs a loaded machine); the test above is the deterministic one.
     for _ in range(10):
-        assert spawn(_workers.no_collective, 4, timeout_s=60) == [0, 1, 2, 3]
+        assert spawn(launch_workers.no_collective, 4, timeout_s=60) == [0, 1, 2, 3]
 
 
 def test_fork_server_preloads_dcp_only_where_this_process_uses_it(
@@ -557,8 +559,12 @@ def test_fork_server_preloads_dcp_only_where_this_process_uses_it(
     from refimpl.launch import _forkserver_preload
 
     base = ["torch", "torch.distributed", "torch._dynamo"]
-    assert _forkserver_preload() == [*base, "torch.distributed.checkpoint",
-                                     "torch.distributed.fsdp", "refimpl._rank_process"]  # fmt: skip
+    assert _forkserver_preload() == [
+        *base,
+        "torch.distributed.checkpoint",
+        "torch.distributed.fsdp",
+        "refimpl._rank_process",
+    ]
     for name in ("torch.distributed.checkpoint", "torch.distributed.fsdp"):
         monkeypatch.delitem(sys.modules, name)  # a chapter that never shards
     assert _forkserver_preload() == [*base, "refimpl._rank_process"]
@@ -567,7 +573,7 @@ def test_fork_server_preloads_dcp_only_where_this_process_uses_it(
 def test_a_rank_finds_what_ddp_imports_already_imported() -> None:
     """DistributedDataParallel's constructor imports torch._dynamo (torch 2.13): a rank forked
     from the server has it, and wrapping a model imports nothing heavy again."""
-    assert spawn(_workers.modules_imported_by_ddp, 2, timeout_s=60) == [(True, [])] * 2
+    assert spawn(launch_workers.modules_imported_by_ddp, 2, timeout_s=60) == [(True, [])] * 2
 
 
 # --- Issue 25 item 2: a torchrun worker whose agent is gone does not train on alone ----------
@@ -602,10 +608,20 @@ def test_a_worker_whose_agent_is_killed_exits_within_10_s(tmp_path: Path) -> Non
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     env["PYTHONPATH"] = str(Path(__file__).parents[1] / "src")
     agent = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-         str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=1",
+            str(script),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
         start_new_session=True,
-    )  # fmt: skip
+    )
     worker = None
     try:
         assert agent.stdout is not None and agent.stderr is not None

@@ -85,9 +85,11 @@ def _async_save(state: dict[str, torch.Tensor], writer: PacedWriter) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process"
         future = dcp.async_save(
-            {"model": state}, storage_writer=writer, no_dist=True,
+            {"model": state},
+            storage_writer=writer,
+            no_dist=True,
             async_checkpointer_type=AsyncCheckpointerType.THREAD,
-        )  # fmt: skip
+        )
         future.result(timeout=60)
 
 
@@ -149,8 +151,11 @@ def test_a_synchronous_save_writes_as_dcp_does(
     state = _state()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save({"model": state}, storage_writer=PacedWriter(tmp_path / "fg", cpu_share=0.01),
-                 no_dist=True)  # fmt: skip
+        dcp.save(
+            {"model": state},
+            storage_writer=PacedWriter(tmp_path / "fg", cpu_share=0.01),
+            no_dist=True,
+        )
     assert rec.events == []  # no paced stream was ever made: the caller's own thread
     _assert_reads_back(tmp_path / "fg", state)
 

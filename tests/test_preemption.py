@@ -8,14 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import _preemption_workers as w
 import pytest
+from workers import preemption as w
 
 from refimpl.checkpoint import list_checkpoints, load_latest
 from refimpl.launch import spawn
 from refimpl.preemption import StopOnSigterm
 
-SCRIPT = Path(__file__).with_name("_preemption_script.py")
+SCRIPT = Path(__file__).parent / "workers" / "preemption_script.py"
 
 
 def _run_and_signal(ckpt: Path, *extra: str) -> tuple[int, list[str]]:

@@ -87,6 +87,7 @@ PUBLIC_API: dict[str, list[str]] = {
         "GuardedCall",
         "MAX_DIMS",
         "NAME_BYTES",
+        "ReferenceGuard",
     ],
     "launch": [
         "DEFAULT_PG_TIMEOUT_S",

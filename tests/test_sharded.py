@@ -15,16 +15,16 @@ from typing import Any
 
 import pytest
 import torch
-from _sharded_models import fresh, trained
-from _sharded_workers import (
+from helpers.sharded_models import fresh, trained
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from workers.sharded import (
     RngState,
     state_load_fails_on_one_rank,
     state_round_trip,
     training_state,
 )
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from refimpl._checkpoint_cli import main as cli_main
 from refimpl.atomic import COMMIT_MARKER
@@ -221,8 +221,12 @@ def test_resharding_4_to_2_and_3_equals_the_unsharded_reference(tmp_path: Path) 
     reference = safe_load(tmp_path / "unsharded.pt")
     step_dir = tmp_path / "ckpt" / "step_00000003"
     assert sorted(verify_sharded(step_dir)["files"]) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp",
-    ]  # fmt: skip
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "__2_0.distcp",
+        "__3_0.distcp",
+    ]
     weights = safe_load(consolidate(step_dir, tmp_path / "model.pt"))
     assert max_abs_diff(weights, reference["model"]) == 0.0
     plain = {"model": tiny_model(7).state_dict()}  # plain dcp.load, unsharded target

@@ -50,8 +50,9 @@ def _run(tmp_path: Path, mode: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     code = textwrap.dedent(_SCRIPT)
     args = [str(tmp_path / "ckpt"), str(tmp_path / "store"), mode]
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                          timeout=90, env=env)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=90, env=env
+    )
 
 
 @pytest.mark.timeout(120)
@@ -110,7 +111,7 @@ def test_a_spawn_rank_names_the_save_it_never_waited_for(
     """A spawn rank runs no atexit handler (multiprocessing leaves through os._exit) and is
     killed once it reports: the warning used to be lost there. Now it is in each rank's
     output, and the save committed."""
-    from _sharded_workers import async_save_never_waited
+    from workers.sharded import async_save_never_waited
 
     from refimpl.launch import spawn
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _sharded_models import fresh, trained
+from helpers.sharded_models import fresh, trained
 from safetensors.torch import load_file
 
 import refimpl.sharded._export as export_mod

@@ -19,8 +19,8 @@ from unittest import mock
 
 import pytest
 import torch
-from _sharded_craft import bytes_item_in_place_of
-from _sharded_models import fresh, trained
+from helpers.sharded_craft import bytes_item_in_place_of
+from helpers.sharded_models import fresh, trained
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
@@ -281,7 +281,7 @@ def test_a_full_disk_during_a_sharded_save_is_named(tmp_path: Path) -> None:
 def test_each_rank_verifies_the_shards_it_reads(tmp_path: Path, racy_s: float | None) -> None:
     """Whether rank 1 hashes its file itself (just saved) or relies on rank 0's record of it
     (`refimpl.sharded._seen`), a byte changed after rank 0's check is caught on rank 1."""
-    from _sharded_workers import shard_changed_after_rank0_checked
+    from workers.sharded import shard_changed_after_rank0_checked
 
     results = spawn(
         shard_changed_after_rank0_checked,

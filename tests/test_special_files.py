@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _sharded_models import trained
+from helpers.sharded_models import trained
 
 from refimpl.atomic import COMMIT_MARKER
 from refimpl.checkpoint import MANIFEST, load_latest, save_checkpoint

@@ -22,8 +22,7 @@ print("enabled", gc.isenabled(), "frozen", gc.get_freeze_count() > 0)
 
 
 def _python(code: str) -> str:
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=100)  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout.splitlines()[-1]
 

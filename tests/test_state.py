@@ -81,9 +81,15 @@ def test_unwrap_removes_module_prefix() -> None:
 def test_full_state_round_trip_via_checkpoint(tmp_path: Path) -> None:
     m, opt, sched, scaler = _trained()
     state = capture_state(
-        _Wrapped(m), opt, scheduler=sched, scaler=scaler,
-        sampler_state={"seed": 0, "epoch": 1, "position": 24}, epoch=1, step=3, world_size=2,
-    )  # fmt: skip
+        _Wrapped(m),
+        opt,
+        scheduler=sched,
+        scaler=scaler,
+        sampler_state={"seed": 0, "epoch": 1, "position": 24},
+        epoch=1,
+        step=3,
+        world_size=2,
+    )
     save_checkpoint(tmp_path, state, step=3)
     found = load_latest(tmp_path, map_location="cpu")
     assert found is not None
@@ -93,9 +99,15 @@ def test_full_state_round_trip_via_checkpoint(tmp_path: Path) -> None:
     sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=0.5)
     scaler2 = torch.amp.GradScaler("cpu", init_scale=2.0)
     info = restore_state(found[1], m2, opt2, scheduler=sched2, scaler=scaler2)
-    assert info == {"epoch": 1, "step": 3, "world_size": 2, "micro_step": 0,
-                    "sampler": {"seed": 0, "epoch": 1, "position": 24},
-                    "extra": {}, "rng_restored": True}  # fmt: skip
+    assert info == {
+        "epoch": 1,
+        "step": 3,
+        "world_size": 2,
+        "micro_step": 0,
+        "sampler": {"seed": 0, "epoch": 1, "position": 24},
+        "extra": {},
+        "rng_restored": True,
+    }
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters(), strict=True))
     assert sched2.state_dict() == sched.state_dict()
     assert scaler2.get_scale() == scaler.get_scale()
@@ -150,18 +162,25 @@ def test_user_keys_travel_through_a_checkpoint_and_come_back_as_extra(tmp_path: 
     found = load_latest(tmp_path)
     assert found is not None
     info = restore_state(found[1], m, opt)
-    assert info["extra"] == {"best_val_loss": 1.25, "model_args": model_args,
-                             "config": {"lr": 3e-4, "dataset": "shakespeare_char"}}  # fmt: skip
+    assert info["extra"] == {
+        "best_val_loss": 1.25,
+        "model_args": model_args,
+        "config": {"lr": 3e-4, "dataset": "shakespeare_char"},
+    }
     assert info["step"] == 5 and info["rng_restored"]
 
 
 @pytest.mark.parametrize(
     ("key", "why"),
-    [("step", "capture_state writes itself"), ("rng", "capture_state writes itself"),
-     ("grads", "capture_state writes itself"),
-     ("a/b", "file-name-safe|letters, digits"), (".hidden", "letters, digits"),
-     (3, "letters, digits")],
-)  # fmt: skip
+    [
+        ("step", "capture_state writes itself"),
+        ("rng", "capture_state writes itself"),
+        ("grads", "capture_state writes itself"),
+        ("a/b", "file-name-safe|letters, digits"),
+        (".hidden", "letters, digits"),
+        (3, "letters, digits"),
+    ],
+)
 def test_a_user_key_that_would_clash_or_not_save_is_refused(key: object, why: str) -> None:
     m, opt, _, _ = _trained()
     with pytest.raises(ValueError, match=why):

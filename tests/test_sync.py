@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import _sync_workers
 import matplotlib
 import pytest
+from workers import sync as sync_workers
 
 from refimpl.demos.sync import (
     Timeline,
@@ -38,7 +38,7 @@ def test_helpers_are_no_ops_without_a_process_group() -> None:
 
 
 def test_helpers_are_no_ops_in_a_world_of_one() -> None:
-    assert spawn(_sync_workers.single_rank_helpers, 1) == [(1, True)]
+    assert spawn(sync_workers.single_rank_helpers, 1) == [(1, True)]
 
 
 def test_the_incident_rank0_saves_while_the_others_time_out(tmp_path: Path) -> None:
@@ -73,9 +73,16 @@ def test_barrier_safe_with_a_save_budget_fixes_it(tmp_path: Path) -> None:
 
 def test_dist_barrier_with_its_own_timeout_fixes_it_too(tmp_path: Path) -> None:
     spawn(
-        train_and_save_worker, 3, str(tmp_path), "timeout", 2.0, 3, 30.0,
-        timeout_s=40, pg_timeout_s=1,
-    )  # fmt: skip
+        train_and_save_worker,
+        3,
+        str(tmp_path),
+        "timeout",
+        2.0,
+        3,
+        30.0,
+        timeout_s=40,
+        pg_timeout_s=1,
+    )
     save_end = _spans(tmp_path, 0, "save")[0]["end"]
     for rank in (1, 2):
         (barrier,) = _spans(tmp_path, rank, "barrier")
@@ -94,9 +101,16 @@ def test_barrier_timeout_overrides_the_group_timeout_on_gloo() -> None:
 def test_a_barrier_only_rank0_calls_is_named_by_monitored_barrier(tmp_path: Path) -> None:
     with pytest.raises(WorkerError) as info:
         spawn(
-            train_and_save_worker, 3, str(tmp_path), "misplaced", 0.3, 3, 1.0,
-            timeout_s=40, pg_timeout_s=3,
-        )  # fmt: skip
+            train_and_save_worker,
+            3,
+            str(tmp_path),
+            "misplaced",
+            0.3,
+            3,
+            1.0,
+            timeout_s=40,
+            pg_timeout_s=3,
+        )
     assert info.value.rank == 0
     assert "Ranks 1, 2 failed to pass monitoredBarrier" in str(info.value)
 
@@ -126,7 +140,7 @@ def test_main_process_first_lets_everyone_read_what_rank0_wrote(tmp_path: Path) 
 def test_a_failure_on_rank0_reaches_every_rank_instead_of_a_hang() -> None:
     # timeout_s is far below the group's 30 s: a hang would end as WorkerTimeout.
     try:
-        seen = spawn(_sync_workers.what_each_rank_sees_when_rank0_fails, 3, timeout_s=20)
+        seen = spawn(sync_workers.what_each_rank_sees_when_rank0_fails, 3, timeout_s=20)
     except WorkerTimeout:  # pragma: no cover - the failure this test exists to catch
         pytest.fail("the other ranks hung instead of hearing about rank 0's failure")
     assert seen == ["ValueError", "MainProcessFailed", "MainProcessFailed"]
@@ -176,9 +190,9 @@ def test_a_ddp_forward_inside_main_process_first_hangs_the_bare_model_does_not()
     """The rule main_process_first's docstring states: rank 0's evaluation inside the block
     through the DDP-wrapped model (buffers, after a training step) waits in a broadcast no
     other rank joins, until the group timeout; through the unwrapped model it runs alone."""
-    ok = spawn(_sync_workers.evaluate_inside_main_process_first, 2, True, timeout_s=60)
+    ok = spawn(sync_workers.evaluate_inside_main_process_first, 2, True, timeout_s=60)
     assert ok == ["evaluated", "evaluated"]
     with pytest.raises(WorkerError) as caught:
-        worker = _sync_workers.evaluate_inside_main_process_first
+        worker = sync_workers.evaluate_inside_main_process_first
         spawn(worker, 2, False, timeout_s=60, pg_timeout_s=3)
     assert caught.value.rank == 0, caught.value

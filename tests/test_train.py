@@ -58,8 +58,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, TrainRun]
 def preempted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, TrainRun]:
     """A torchrun run whose rank 1 (only) gets SIGTERM once rank 0 has logged step 5."""
     d = tmp_path_factory.mktemp("preempted")
-    run = run_train(_args(d, "--step-sleep", "0.3"), sigterm_rank=1, sigterm_after_step=5,
-                    timeout_s=100)  # fmt: skip
+    run = run_train(
+        _args(d, "--step-sleep", "0.3"), sigterm_rank=1, sigterm_after_step=5, timeout_s=100
+    )
     return d / "ckpt", run
 
 
@@ -131,8 +132,15 @@ def test_world_of_one_with_plain_python_sigterm_resume_and_rerun(
 ) -> None:
     full, cut = tmp_path / "full", tmp_path / "cut"
     _ok(run_train(_args(full), launcher="python", timeout_s=60))
-    stopped = _ok(run_train(_args(cut, "--step-sleep", "0.3"), launcher="python",
-                            sigterm_rank=0, sigterm_after_step=5, timeout_s=60))  # fmt: skip
+    stopped = _ok(
+        run_train(
+            _args(cut, "--step-sleep", "0.3"),
+            launcher="python",
+            sigterm_rank=0,
+            sigterm_after_step=5,
+            timeout_s=60,
+        )
+    )
     step = next(e.step for e in stopped.events if e.kind == "stop")
     assert step is not None and _latest(cut / "ckpt") == step
     assert not (cut / "w.pt").exists()
@@ -190,8 +198,9 @@ def test_a_forgotten_or_extra_sharded_flag_refuses_to_start_over_the_other_backe
     assert " loss " not in run.stdout  # not one step trained
     after = {d.name: sorted(p.name for p in d.iterdir()) for _, d in list_checkpoints(ckpt)}
     assert after == before
-    assert stamps == {d.name: (d / "MANIFEST.json").stat().st_mtime_ns
-                      for _, d in list_checkpoints(ckpt)}  # fmt: skip
+    assert stamps == {
+        d.name: (d / "MANIFEST.json").stat().st_mtime_ns for _, d in list_checkpoints(ckpt)
+    }
 
 
 @pytest.mark.slow
@@ -232,14 +241,33 @@ def test_parse_args_refuses_nonsense() -> None:
 
 
 BAD_FLAGS = [
-    ("--steps", "-1"), ("--steps", "ten"), ("--save-every", "0"), ("--keep-last", "0"),
-    ("--keep-last", "-2"), ("--ckpt-dir", ""), ("--final-weights", " "), ("--seed", "-1"),
-    ("--seed", str(2**32)), ("--batch-size", "0"), ("--samples", "0"), ("--lr", "0"),
-    ("--lr", "nan"), ("--lr", "-0.001"), ("--dropout", "1.5"), ("--dropout", "-0.1"),
-    ("--pg-timeout", "0"), ("--pg-timeout", "-1"), ("--pg-timeout", "inf"),
-    ("--save-timeout", "0"), ("--log-every", "0"), ("--fail-at-step", "0"),
-    ("--fail-rank", "-2"), ("--step-sleep", "-1"), ("--step-sleep", "nan"), ("--sample-log", ""),
-]  # fmt: skip
+    ("--steps", "-1"),
+    ("--steps", "ten"),
+    ("--save-every", "0"),
+    ("--keep-last", "0"),
+    ("--keep-last", "-2"),
+    ("--ckpt-dir", ""),
+    ("--final-weights", " "),
+    ("--seed", "-1"),
+    ("--seed", str(2**32)),
+    ("--batch-size", "0"),
+    ("--samples", "0"),
+    ("--lr", "0"),
+    ("--lr", "nan"),
+    ("--lr", "-0.001"),
+    ("--dropout", "1.5"),
+    ("--dropout", "-0.1"),
+    ("--pg-timeout", "0"),
+    ("--pg-timeout", "-1"),
+    ("--pg-timeout", "inf"),
+    ("--save-timeout", "0"),
+    ("--log-every", "0"),
+    ("--fail-at-step", "0"),
+    ("--fail-rank", "-2"),
+    ("--step-sleep", "-1"),
+    ("--step-sleep", "nan"),
+    ("--sample-log", ""),
+]
 
 
 @pytest.mark.timeout(20)
@@ -279,11 +307,21 @@ def test_parse_log_and_attempts() -> None:
     assert events[0] == Event(0, 1, "start", None)
     assert Event(0, 1, "fault", 3) in events and Event(1, 0, "loss", 3, 0.125) in events
     assert attempts(events) == [
-        {"attempt": 0, "resumed_from": 0, "losses": {1: 0.5, 2: 0.25}, "saved": [2],
-         "end": "fault on rank 1 at step 3"},
-        {"attempt": 1, "resumed_from": 2, "losses": {3: 0.125}, "saved": [],
-         "end": "SIGTERM after step 3"},
-    ]  # fmt: skip
+        {
+            "attempt": 0,
+            "resumed_from": 0,
+            "losses": {1: 0.5, 2: 0.25},
+            "saved": [2],
+            "end": "fault on rank 1 at step 3",
+        },
+        {
+            "attempt": 1,
+            "resumed_from": 2,
+            "losses": {3: 0.125},
+            "saved": [],
+            "end": "SIGTERM after step 3",
+        },
+    ]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -311,8 +349,9 @@ def test_the_readme_command_survives_a_killed_worker_5_times_in_a_row(
 
     def one(name: str, *extra: str) -> TrainRun:
         (tmp_path / name).mkdir()
-        return run_train([*README, "--final-weights", "w.pt", *extra], cwd=tmp_path / name,
-                         timeout_s=120)  # fmt: skip
+        return run_train(
+            [*README, "--final-weights", "w.pt", *extra], cwd=tmp_path / name, timeout_s=120
+        )
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         ref_job = pool.submit(one, "ref")

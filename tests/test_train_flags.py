@@ -17,8 +17,18 @@ from refimpl.checkpoint import list_checkpoints, load_latest
 from refimpl.launch import WorkerError, spawn
 from refimpl.train import main
 
-BASE = ["--save-every", "2", "--samples", "64", "--seed", "3", "--lr", "0.01", "--progress",
-        "never"]  # fmt: skip
+BASE = [
+    "--save-every",
+    "2",
+    "--samples",
+    "64",
+    "--seed",
+    "3",
+    "--lr",
+    "0.01",
+    "--progress",
+    "never",
+]
 
 
 def _run(ckpt: Path, *extra: str, world: int = 1) -> None:
@@ -39,15 +49,23 @@ def _stamps(ckpt: Path) -> dict[str, int]:
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
-        (["--lr", "0.02"], "step_4 was trained at lr 0.01, not --lr 0.02: pass --lr 0.01, or "
-                           "--reset-lr to apply the new one"),
-        (["--steps", "2"], "step_4 is past --steps 2: the run already trained 4 steps. Pass "
-                           "--steps 4 or more"),
+        (
+            ["--lr", "0.02"],
+            "step_4 was trained at lr 0.01, not --lr 0.02: pass --lr 0.01, or "
+            "--reset-lr to apply the new one",
+        ),
+        (
+            ["--steps", "2"],
+            "step_4 is past --steps 2: the run already trained 4 steps. Pass --steps 4 or more",
+        ),
         (["--samples", "128"], "step_4 was trained on --samples 64, not --samples 128"),
-        (["--seed", "5"], "step_4 was trained with --seed 3 (its weights, sample order and "
-                          "dropout streams), not --seed 5: pass --seed 3"),
+        (
+            ["--seed", "5"],
+            "step_4 was trained with --seed 3 (its weights, sample order and "
+            "dropout streams), not --seed 5: pass --seed 3",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_flag_that_contradicts_the_checkpoint_is_refused_naming_it(
     tmp_path: Path, flags: list[str], expected: str
 ) -> None:
@@ -65,8 +83,20 @@ def test_reset_lr_applies_the_new_rate_and_says_so(
 ) -> None:
     ckpt = tmp_path / "ckpt"
     _run(ckpt, "--steps", "4", "--lr-schedule", "cosine", "--warmup-steps", "2")
-    args = [*BASE, "--ckpt-dir", str(ckpt), "--steps", "6", "--lr", "0.02", "--reset-lr",
-            "--lr-schedule", "cosine", "--warmup-steps", "2"]  # fmt: skip
+    args = [
+        *BASE,
+        "--ckpt-dir",
+        str(ckpt),
+        "--steps",
+        "6",
+        "--lr",
+        "0.02",
+        "--reset-lr",
+        "--lr-schedule",
+        "cosine",
+        "--warmup-steps",
+        "2",
+    ]
     assert spawn(main, 1, args, timeout_s=90, rank_output="show") == [0]
     out = capsys.readouterr().out
     assert "--reset-lr: step_4 was trained at lr 0.01; training on at --lr 0.02" in out, out
@@ -83,8 +113,19 @@ def test_sharded_resume_names_every_contradicting_flag(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     _run(ckpt, "--steps", "4", "--sharded", world=2)
     before = _stamps(ckpt)
-    text = _refused(ckpt, "--sharded", "--steps", "6", "--lr", "0.02", "--seed", "5",
-                    "--samples", "128", world=2)  # fmt: skip
+    text = _refused(
+        ckpt,
+        "--sharded",
+        "--steps",
+        "6",
+        "--lr",
+        "0.02",
+        "--seed",
+        "5",
+        "--samples",
+        "128",
+        world=2,
+    )
     for expected in ("pass --lr 0.01, or --reset-lr", "pass --seed 3", "Pass --samples 64"):
         assert expected in text, text
     assert "sampler state has seed" not in text  # the flag, not the library's words

@@ -80,8 +80,20 @@ def test_defaults_keep_the_constant_rate_and_async_save_works_on_both_backends()
 @pytest.mark.timeout(120)
 def test_file_backend_resume_with_warmup_and_cosine_is_bit_identical(tmp_path: Path) -> None:
     """One run of 8 steps; its step-4 checkpoint alone, resumed, ends on the same weights."""
-    args = ["--steps", "8", "--save-every", "4", "--samples", "32", "--seed", "3",
-            "--lr-schedule", "cosine", "--warmup-steps", "3"]  # fmt: skip
+    args = [
+        "--steps",
+        "8",
+        "--save-every",
+        "4",
+        "--samples",
+        "32",
+        "--seed",
+        "3",
+        "--lr-schedule",
+        "cosine",
+        "--warmup-steps",
+        "3",
+    ]
     full, cut = tmp_path / "full", tmp_path / "cut"
     run = [*args, "--final-weights"]
     ok = [0, 0]

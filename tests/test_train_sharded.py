@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from _sharded_craft import bytes_item_in_place_of, drop_item
+from helpers.sharded_craft import bytes_item_in_place_of, drop_item
 
 from refimpl.demos.chaos_runs import chaos_train
 from refimpl.demos.train import TrainRun, attempts, parse_log, run_train, same_weights
@@ -82,8 +82,19 @@ def test_sharded_resume_from_step_4_matches_unless_state_is_left_out(
 def test_sharded_resume_at_another_world_size_trains_every_sample_once(tmp_path: Path) -> None:
     # 96 samples, 8 per rank: an epoch is 6 steps at 2 ranks and 4 at 3. Stop after step 3
     # (half of epoch 0), resume at 3 ranks: 2 steps finish epoch 0, 2 more start epoch 1.
-    common = ["--samples", "96", "--save-every", "3", "--sharded", "--seed", "5", "--ckpt-dir",
-              str(tmp_path / "ckpt"), "--sample-log", str(tmp_path / "samples")]  # fmt: skip
+    common = [
+        "--samples",
+        "96",
+        "--save-every",
+        "3",
+        "--sharded",
+        "--seed",
+        "5",
+        "--ckpt-dir",
+        str(tmp_path / "ckpt"),
+        "--sample-log",
+        str(tmp_path / "samples"),
+    ]
     assert spawn(main, 2, ["--steps", "3", *common], timeout_s=90) == [0, 0]
     assert spawn(main, 3, ["--steps", "7", *common], timeout_s=90) == [0, 0, 0]
     trained: dict[int, Counter[int]] = {0: Counter(), 1: Counter()}
@@ -103,8 +114,23 @@ def test_sharded_has_no_rng_to_leave_out() -> None:
         parse_args(["--sharded", "--no-restore", "rng"])
 
 
-ASYNC = ["--steps", "8", "--save-every", "2", "--keep-last", "4", "--samples", "32", "--seed", "3",
-         "--sharded", "--lr-schedule", "cosine", "--warmup-steps", "3"]  # fmt: skip
+ASYNC = [
+    "--steps",
+    "8",
+    "--save-every",
+    "2",
+    "--keep-last",
+    "4",
+    "--samples",
+    "32",
+    "--seed",
+    "3",
+    "--sharded",
+    "--lr-schedule",
+    "cosine",
+    "--warmup-steps",
+    "3",
+]
 
 
 def _async_args(d: Path, *extra: str) -> list[str]:
@@ -155,8 +181,9 @@ def test_sigterm_with_async_save_commits_the_stop_step_and_the_rerun_is_bit_iden
     assert step is not None and 3 <= step < 8
     rank0 = [ln for ln in run.stdout.splitlines() if ln.startswith("[rank0] ")]
     saved = rank0.index(f"[rank0] saved step_{step:08d}")  # the commit, waited for ...
-    assert saved < rank0.index(f"[rank0] SIGTERM: stopped after step {step}, checkpoint saved; "
-                               "exit 0")  # ... before the exit  # fmt: skip
+    assert saved < rank0.index(
+        f"[rank0] SIGTERM: stopped after step {step}, checkpoint saved; exit 0"
+    )  # ... before the exit
     last = sorted((cut / "ckpt").glob("step_*"))[-1]
     assert last.name == f"step_{step:08d}"
     verify_sharded(last)
@@ -173,8 +200,14 @@ def test_kill_test_of_sharded_async_save_under_torchrun_is_bit_identical(tmp_pat
     step 4's background write may still run; torchrun restarts, the run ends bit-identical
     to an uninterrupted one."""
     extra = ["--async-save", "--lr-schedule", "cosine", "--warmup-steps", "3"]
-    rows = chaos_train(sharded=True, scenarios=["kill-rank1", "kill-rank0-save"],
-                       work=tmp_path, jobs=2, extra_args=extra, timeout_s=180)  # fmt: skip
+    rows = chaos_train(
+        sharded=True,
+        scenarios=["kill-rank1", "kill-rank0-save"],
+        work=tmp_path,
+        jobs=2,
+        extra_args=extra,
+        timeout_s=180,
+    )
     assert [r.scenario for r in rows] == ["kill-rank1", "kill-rank0-save"]
     for row in rows:
         assert row.restarts >= 1 and row.resume is not None, row
@@ -188,8 +221,17 @@ def test_a_crafted_step_is_skipped_with_its_reason_and_a_refused_one_is_named(
     """A non-tensor item in place of a weight in the newest step: the run resumes from the
     older step, saying why. A newest step that is refused outright (its state= lacks the
     sampler): the run stops, and its message carries the reason."""
-    args = ["--save-every", "4", "--samples", "64", "--seed", "3", "--sharded",
-            "--ckpt-dir", str(tmp_path / "ckpt")]  # fmt: skip
+    args = [
+        "--save-every",
+        "4",
+        "--samples",
+        "64",
+        "--seed",
+        "3",
+        "--sharded",
+        "--ckpt-dir",
+        str(tmp_path / "ckpt"),
+    ]
     assert spawn(main, 2, ["--steps", "8", *args], timeout_s=90) == [0, 0]
     bytes_item_in_place_of(tmp_path / "ckpt" / "step_00000008", "model.0.weight", "x")
     capsys.readouterr()

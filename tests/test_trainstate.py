@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import _trainstate_workers as w
 import pytest
 import torch
+from workers import trainstate as w
 
 from refimpl.checkpoint import PACK, CheckpointError, load_latest, save_checkpoint
 from refimpl.data import ResumableSampler
@@ -32,8 +32,11 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]: 
 def test_capture_gathers_every_ranks_rng_to_rank_0_only(saved: tuple[Path, list]) -> None:  # type: ignore[type-arg]
     _, ranks = saved
     assert ranks[1]["state"] is None  # rank 1 took part in the gather and got nothing to save
-    assert ranks[0]["state"] == {"keys": sorted([*STATE_KEYS, "best_val_loss", "config"]),
-                                 "world_size": 2, "rngs": 2}  # fmt: skip
+    assert ranks[0]["state"] == {
+        "keys": sorted([*STATE_KEYS, "best_val_loss", "config"]),
+        "world_size": 2,
+        "rngs": 2,
+    }
     assert ranks[0]["after"] != ranks[1]["after"]  # two streams, both needed
 
 
@@ -76,8 +79,9 @@ def test_another_world_size_keeps_the_position_and_each_ranks_fresh_stream(
 def test_without_a_group_capture_is_this_process_state_and_resumes_it(tmp_path: Path) -> None:
     model, opt = w.tiny_model()
     sampler = ResumableSampler(10, batch_size=2, rank=0, world_size=1)
-    state = capture_every_rank(model, opt, sampler_state=sampler.state_dict(), step=3,
-                               extra={"note": "x"})  # fmt: skip
+    state = capture_every_rank(
+        model, opt, sampler_state=sampler.state_dict(), step=3, extra={"note": "x"}
+    )
     assert state is not None and state["world_size"] == 1 and len(state["rng"]) == 1
     expected = torch.rand(3)
     save_checkpoint(tmp_path, state, 3)

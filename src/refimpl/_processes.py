@@ -120,8 +120,11 @@ def workers(root: int, until: Callable[[dict[int, int]], bool] | None = None) ->
 def marked(token: str) -> list[int]:
     """Pids of the processes whose environment carries ``MARKER=token``."""
     needle = f"{MARKER}={token}".encode()
-    return [int(e) for e in os.listdir("/proc")
-            if e.isdigit() and int(e) != os.getpid() and needle in _environ(int(e))]  # fmt: skip
+    return [
+        int(e)
+        for e in os.listdir("/proc")
+        if e.isdigit() and int(e) != os.getpid() and needle in _environ(int(e))
+    ]
 
 
 def signal_all(pids: Sequence[int], sig: int) -> None:
@@ -185,9 +188,16 @@ def run_once(
     token = uuid.uuid4().hex
     full_env = {**env, MARKER: token, "PYTHONUNBUFFERED": "1"}  # lines arrive as printed
     start = time.monotonic()
-    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=full_env, cwd=cwd, start_new_session=True,
-                            text=True, errors="replace")  # fmt: skip
+    proc = subprocess.Popen(
+        list(cmd),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=full_env,
+        cwd=cwd,
+        start_new_session=True,
+        text=True,
+        errors="replace",
+    )
     run = Run(None, [])
     done = threading.Event()
     last_line = [start]

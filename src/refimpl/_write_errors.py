@@ -17,9 +17,10 @@ from typing import IO, Any
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 # Errors the device or the filesystem reports about itself: only these get "check the disk".
 DEVICE = tuple(
-    getattr(errno, name) for name in ("EIO", "EUCLEAN", "ESTALE", "ENODEV", "ENXIO", "EREMOTEIO")
+    getattr(errno, name)
+    for name in ("EIO", "EUCLEAN", "ESTALE", "ENODEV", "ENXIO", "EREMOTEIO")
     if hasattr(errno, name)
-)  # fmt: skip
+)
 PERMISSION = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 

@@ -237,11 +237,26 @@ def plot_ring_steps(per_rank: list[list[list[int]]]) -> Any:
             for c in range(world):
                 who = [str(k) for k in range(world) if values[r][c] >> k & 1]
                 full = len(who) == world
-                ax.text(c, r, "all" if full else "".join(who), ha="center", va="center",
-                        fontsize=10, color="white" if full else "black")  # fmt: skip
+                ax.text(
+                    c,
+                    r,
+                    "all" if full else "".join(who),
+                    ha="center",
+                    va="center",
+                    fontsize=10,
+                    color="white" if full else "black",
+                )
                 if step and values[r][c] != per_rank[r][step - 1][c]:
-                    ax.add_patch(Rectangle((c - 0.45, r - 0.45), 0.9, 0.9, fill=False,
-                                           edgecolor="tab:orange", linewidth=2.5))  # fmt: skip
+                    ax.add_patch(
+                        Rectangle(
+                            (c - 0.45, r - 0.45),
+                            0.9,
+                            0.9,
+                            fill=False,
+                            edgecolor="tab:orange",
+                            linewidth=2.5,
+                        )
+                    )
         if step == 0:
             title = "start"
         elif step < world:
@@ -257,12 +272,15 @@ def plot_ring_steps(per_rank: list[list[list[int]]]) -> Any:
     key = grid[1, world - 1]
     key.axis("off")
     key.text(
-        0.0, 0.5,
+        0.0,
+        0.5,
         "rows: ranks\ncolumns: chunks\n\nlabel: the ranks whose\nnumbers it holds\n"
         "(01: ranks 0 and 1)\n\norange: changed\nin this step\n\n"
         "each step, rank r\nsends one chunk\nto rank r+1",
-        fontsize=10, va="center", transform=key.transAxes,
-    )  # fmt: skip
+        fontsize=10,
+        va="center",
+        transform=key.transAxes,
+    )
     fig.tight_layout(h_pad=1.5)
     return fig
 

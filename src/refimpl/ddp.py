@@ -188,8 +188,8 @@ class MiniDDP(_DDPBase):
     Reducer does, so each fresh gradient tensor is freed while backward still runs and the
     allocator hands the same memory to the next one. (Pointing ``.grad`` at the bucket only at
     the end of backward keeps every fresh gradient alive until then; freed together, glibc
-    returns them to the OS and the next step faults them in again, page by page: measured
-    here, that made ``MiniDDP`` 1.2-1.3 times slower than DDP, chapter 3.)
+    returns them to the OS and the next step faults them in again, page by page: chapter 3
+    measures what that costs.)
     With ``trace=True`` every hook, launch and completion is timestamped into ``self.events``
     (``(perf_counter, kind, index)``).
 

@@ -309,8 +309,11 @@ class DirLock:
                 os.close(fd)
                 if exc.errno not in _UNSUPPORTED:
                     raise CheckpointError(self.path / LOCK_FILE, f"cannot lock ({exc})") from exc
-                logger.warning("%s: this filesystem cannot flock (%s): running without the "
-                               "one-writer lock", self.path, exc)  # fmt: skip
+                logger.warning(
+                    "%s: this filesystem cannot flock (%s): running without the one-writer lock",
+                    self.path,
+                    exc,
+                )
                 return
         _held.add(fd)
         self._fd = fd

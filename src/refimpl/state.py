@@ -51,8 +51,17 @@ __all__ = [
 
 _PREFIXES = ("module.", "_orig_mod.")
 _DATA_PARALLEL = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
-STATE_KEYS = ("model", "optimizer", "scheduler", "scaler", "sampler", "rng", "epoch", "step",
-              "world_size")  # fmt: skip
+STATE_KEYS = (
+    "model",
+    "optimizer",
+    "scheduler",
+    "scaler",
+    "sampler",
+    "rng",
+    "epoch",
+    "step",
+    "world_size",
+)
 """The keys `capture_state` always writes. Any other key of a captured state is the user's,
 except `ACCUMULATION_KEYS`."""
 ACCUMULATION_KEYS = ("micro_step", "grads")

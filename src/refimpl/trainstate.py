@@ -112,10 +112,20 @@ def capture_every_rank(
             return None
     rngs = [r for r, _ in both]
     grads = [g for _, g in both] if micro_step else None
-    return capture_state(model, optimizer, scheduler=scheduler, scaler=scaler,
-                         sampler_state=sampler_state, rng=rngs, epoch=epoch, step=step,
-                         world_size=world, micro_step=micro_step, grads=grads,
-                         extra=extra)  # fmt: skip
+    return capture_state(
+        model,
+        optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        sampler_state=sampler_state,
+        rng=rngs,
+        epoch=epoch,
+        step=step,
+        world_size=world,
+        micro_step=micro_step,
+        grads=grads,
+        extra=extra,
+    )
 
 
 class CheckpointMismatch(RuntimeError):
@@ -160,8 +170,9 @@ def check_same_checkpoint(
     views = [tuple(v) for v in seen]
     if len(set(views)) > 1:
         where = f" in {ckpt_dir}" if str(ckpt_dir) else ""
-        by_rank = ", ".join(f"rank {r}: step {s} ({d or 'no manifest'})"
-                            for r, (s, d) in enumerate(views))  # fmt: skip
+        by_rank = ", ".join(
+            f"rank {r}: step {s} ({d or 'no manifest'})" for r, (s, d) in enumerate(views)
+        )
         raise CheckpointMismatch(
             f"rank {rank}: ranks found different latest checkpoints{where} ({by_rank}). Put the "
             "checkpoint directory on a filesystem every node sees, the same for every rank.",
@@ -246,16 +257,24 @@ def resume_every_rank(
         (on_skip or _log_skip)(step_dir, why)
 
     found = load_latest(ckpt_dir, on_skip=skipped, map_location=map_location, on_load=remember)
-    check_same_checkpoint(None if found is None else found[0], loaded.get("digest"),
-                          ckpt_dir=ckpt_dir)  # fmt: skip
+    check_same_checkpoint(
+        None if found is None else found[0], loaded.get("digest"), ckpt_dir=ckpt_dir
+    )
     if found is None:
         _refuse_to_start_over(ckpt_dir, "; ".join(unloadable) or None, world)
         return None
-    info = restore_state(found[1], model, optimizer, scheduler=scheduler, scaler=scaler,
-                         rank=rank, world_size=world)  # fmt: skip
+    info = restore_state(
+        found[1], model, optimizer, scheduler=scheduler, scaler=scaler, rank=rank, world_size=world
+    )
     if sampler is not None and info["sampler"] is not None:
         sampler.load_state_dict(info["sampler"])
-    return Resumed(step=info["step"], epoch=info["epoch"], world_size=info["world_size"],
-                   sampler=info["sampler"], extra=info["extra"],
-                   rng_restored=info["rng_restored"], digest=loaded["digest"],
-                   micro_step=info["micro_step"])  # fmt: skip
+    return Resumed(
+        step=info["step"],
+        epoch=info["epoch"],
+        world_size=info["world_size"],
+        sampler=info["sampler"],
+        extra=info["extra"],
+        rng_restored=info["rng_restored"],
+        digest=loaded["digest"],
+        micro_step=info["micro_step"],
+    )

@@ -74,9 +74,14 @@ def _bars(
     heights = [height[i] for i in which] if isinstance(height, dict) else height
     ax.barh(which, med, height=heights, color=color, label=label)
     ax.errorbar(
-        med, [i + whisker_offset for i in which], xerr=err, fmt="none",
-        ecolor="#333333", capsize=2.5, elinewidth=1,
-    )  # fmt: skip
+        med,
+        [i + whisker_offset for i in which],
+        xerr=err,
+        fmt="none",
+        ecolor="#333333",
+        capsize=2.5,
+        elinewidth=1,
+    )
 
 
 def overhead_figure(data: dict[str, Any]) -> Any:
@@ -108,9 +113,15 @@ def overhead_figure(data: dict[str, Any]) -> Any:
     axes[0][0].invert_yaxis()
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(
-        handles[::-1], labels[::-1], loc="lower center", ncol=2, fontsize=10, frameon=False,
-        title="bars: median of the timed repeats; whiskers: min to max", title_fontsize=10,
-    )  # fmt: skip
+        handles[::-1],
+        labels[::-1],
+        loc="lower center",
+        ncol=2,
+        fontsize=10,
+        frameon=False,
+        title="bars: median of the timed repeats; whiskers: min to max",
+        title_fontsize=10,
+    )
     fig.tight_layout(rect=(0, 0.72 / fig.get_figheight(), 1, 1))
     return fig
 

@@ -217,13 +217,21 @@ def measure_size(
     for name in todo:
         b = summarize(blocking[name])
         t = summarize(total[name])
-        rows.append({
-            "method": name, "bytes": nbytes,
-            "blocking_s_median": b["median"], "blocking_s_min": b["min"],
-            "blocking_s_max": b["max"], "total_s_median": t["median"],
-            "total_s_min": t["min"], "total_s_max": t["max"], "repeats": repeats,
-            "cold_blocking_s": cold[name][0], "cold_total_s": cold[name][1],
-        })  # fmt: skip
+        rows.append(
+            {
+                "method": name,
+                "bytes": nbytes,
+                "blocking_s_median": b["median"],
+                "blocking_s_min": b["min"],
+                "blocking_s_max": b["max"],
+                "total_s_median": t["median"],
+                "total_s_min": t["min"],
+                "total_s_max": t["max"],
+                "repeats": repeats,
+                "cold_blocking_s": cold[name][0],
+                "cold_total_s": cold[name][1],
+            }
+        )
     return rows
 
 

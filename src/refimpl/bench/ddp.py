@@ -101,11 +101,17 @@ def step_times(
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start, cpu = time.perf_counter(), time.thread_time()
             run(impl, steps)
-            sample = torch.tensor([
-                time.perf_counter() - start,
-                time.thread_time() - cpu,
-                resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
-            ], dtype=torch.float64) / steps  # fmt: skip
+            sample = (
+                torch.tensor(
+                    [
+                        time.perf_counter() - start,
+                        time.thread_time() - cpu,
+                        resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
+                    ],
+                    dtype=torch.float64,
+                )
+                / steps
+            )
             dist.all_reduce(sample, op=dist.ReduceOp.MAX)  # a step lasts for the slowest rank
             for key, value in zip(("wall", "cpu", "faults"), sample.tolist(), strict=True):
                 samples[impl][key].append(value)
@@ -211,9 +217,15 @@ def main(argv: list[str]) -> int:
     profile = {}
     if args.profile_repeats > 0:
         profile = spawn(
-            profile_step, 2, widths, args.batch, args.profile_cap, args.profile_repeats,
-            args.steps, timeout_s=900,
-        )[0]  # fmt: skip
+            profile_step,
+            2,
+            widths,
+            args.batch,
+            args.profile_cap,
+            args.profile_repeats,
+            args.steps,
+            timeout_s=900,
+        )[0]
     data = {
         "benchmark": "ddp step time: naive vs MiniDDP vs torch DDP",
         "machine": {

@@ -182,8 +182,14 @@ def figure(result: dict[str, Any]) -> Any:
         x = list(range(len(methods)))
         ax.bar(x, med, yerr=err, capsize=4, color=[colours[m] for m in methods])
         for i, s in zip(x, stats, strict=True):
-            ax.annotate(f"x{s['median']:.2f}", (i, s["q3"]), textcoords="offset points",
-                        xytext=(0, 4), ha="center", fontsize=9)  # fmt: skip
+            ax.annotate(
+                f"x{s['median']:.2f}",
+                (i, s["q3"]),
+                textcoords="offset points",
+                xytext=(0, 4),
+                ha="center",
+                fontsize=9,
+            )
         ax.axhline(1.0, color="black", lw=0.8)
         ax.axhline(row["target"], color=colours["guard"], ls="--", lw=1)
         ax.set_yscale("log")

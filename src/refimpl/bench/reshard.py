@@ -136,8 +136,10 @@ def draw(result: dict[str, Any], ax: Any) -> None:
     )
     for i, (label, ratios, color) in enumerate(series):
         ys = [ratios[n]["median"] for n in names]
-        err = [[y - ratios[n]["min"] for y, n in zip(ys, names, strict=True)],
-               [ratios[n]["max"] - y for y, n in zip(ys, names, strict=True)]]  # fmt: skip
+        err = [
+            [y - ratios[n]["min"] for y, n in zip(ys, names, strict=True)],
+            [ratios[n]["max"] - y for y, n in zip(ys, names, strict=True)],
+        ]
         xs = [k + (i - 0.5) * 0.36 for k in range(len(names))]
         ax.bar(xs, ys, 0.34, yerr=err, capsize=3, color=color, label=label)
     ax.axhline(GOAL, color="tab:red", linestyle="--", linewidth=1, label=f"goal {GOAL}")
@@ -189,8 +191,9 @@ def main(argv: list[str]) -> int:
     before: dict[str, dict[str, float]] = {}
     for w in WORLDS:
         print(f"loading each checkpoint at {w} ranks, {args.repeats + 1} rounds", flush=True)
-        loaded = spawn(load_job, w, list(sources.values()), layers, args.d, args.repeats,
-                       timeout_s=900)[0]  # fmt: skip
+        loaded = spawn(
+            load_job, w, list(sources.values()), layers, args.d, args.repeats, timeout_s=900
+        )[0]
         for reader in READERS:
             for saved, source in sources.items():
                 got = loaded[f"{reader} {source}"]
@@ -199,11 +202,18 @@ def main(argv: list[str]) -> int:
                         f"saved at {saved}, loaded at {w} ({reader}): weights differ"
                     )
                 median = statistics.median(got["rounds_s"])
-                rows.append({"reader": reader, "saved_at": saved, "loaded_at": w,
-                             "bytes": nbytes, "cold_s": got["cold_s"],
-                             "load_s": summarize(got["rounds_s"]),
-                             "cpu_s": summarize(got["cpu_s"]),
-                             "mb_per_s": (nbytes >> 20) / median})  # fmt: skip
+                rows.append(
+                    {
+                        "reader": reader,
+                        "saved_at": saved,
+                        "loaded_at": w,
+                        "bytes": nbytes,
+                        "cold_s": got["cold_s"],
+                        "load_s": summarize(got["rounds_s"]),
+                        "cpu_s": summarize(got["cpu_s"]),
+                        "mb_per_s": (nbytes >> 20) / median,
+                    }
+                )
             same = loaded[f"{reader} {sources[w]}"]
             for saved in WORLDS:
                 if saved == w:
@@ -237,7 +247,9 @@ def main(argv: list[str]) -> int:
     print(f"{'throughput ratio (median, min-max)':>40}  {'wall':<17} {'CPU':<17} DCP's reader")
     for name, r in ratios["wall"].items():
         c, b = ratios["cpu"][name], before[name]
-        print(f"{name:>40}: " + "  ".join(
-            f"{x['median']:.2f} ({x['min']:.2f}-{x['max']:.2f})" for x in (r, c, b)))  # fmt: skip
+        print(
+            f"{name:>40}: "
+            + "  ".join(f"{x['median']:.2f} ({x['min']:.2f}-{x['max']:.2f})" for x in (r, c, b))
+        )
     print(f"wrote {args.out / 'reshard.json'} and {args.out / 'reshard.png'}")
     return 0

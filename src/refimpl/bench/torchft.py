@@ -309,12 +309,37 @@ def run_chaos_cli(work: Path, timeout: float) -> dict[str, Any]:
     Returns the exit status and the rows of its ``--json``.
     """
     out = work / "chaos.json"
-    cmd = [sys.executable, "-m", "refimpl.chaos", "--kill-on", r"\] step 25 participants",
-           "--compare", "final.pt", "--json", str(out), "--timeout", str(timeout),
-           "--scenarios", "kill-rank1,kill-job", "--",
-           sys.executable, "-m", "refimpl.demos.torchft_job", "--out", "{out}",
-           "--replicas", "2", "--steps", "40", "--step-sleep", "0.05",
-           "--ckpt-dir", "{out}/ckpt", "--save-every", "10"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "refimpl.chaos",
+        "--kill-on",
+        r"\] step 25 participants",
+        "--compare",
+        "final.pt",
+        "--json",
+        str(out),
+        "--timeout",
+        str(timeout),
+        "--scenarios",
+        "kill-rank1,kill-job",
+        "--",
+        sys.executable,
+        "-m",
+        "refimpl.demos.torchft_job",
+        "--out",
+        "{out}",
+        "--replicas",
+        "2",
+        "--steps",
+        "40",
+        "--step-sleep",
+        "0.05",
+        "--ckpt-dir",
+        "{out}/ckpt",
+        "--save-every",
+        "10",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=4 * timeout)
     if not out.exists():

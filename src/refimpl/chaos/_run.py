@@ -125,8 +125,9 @@ def run_chaos(
     if not any("{out}" in a for a in cmd):
         raise ChaosError("the command has no {out}: where would each run write?")
     try:
-        kill_re, save_re, resume_re = (re.compile(r) if r else None
-                                       for r in (kill_on, save_on, resume_on))  # fmt: skip
+        kill_re, save_re, resume_re = (
+            re.compile(r) if r else None for r in (kill_on, save_on, resume_on)
+        )
     except re.error as exc:
         raise ChaosError(f"not a regular expression: {exc.pattern!r} ({exc})") from exc
     skip = _ignore_pattern(ignore)
@@ -177,16 +178,21 @@ def run_chaos(
                 kept_log = Path(reference).parent / "reference.logs" / "output-1.log"
                 ref_lines = kept_log.read_text().splitlines() if kept_log.is_file() else []
             except (OSError, RuntimeError, ValueError) as exc:
-                raise ChaosError(f"--reference {reference}: no readable {compare} in it "
-                                 f"({exc}); pass the {{out}} of an uninterrupted "
-                                 "run") from exc  # fmt: skip
+                raise ChaosError(
+                    f"--reference {reference}: no readable {compare} in it "
+                    f"({exc}); pass the {{out}} of an uninterrupted "
+                    "run"
+                ) from exc
         else:
             ref = launch("reference", kill_re)
             ref_lines = ref.lines
             check_started(ref, "the reference run", kill_on, "--kill-on", timeout_s)
             if ref.returncode != 0:
-                how = (f"ran past --timeout {timeout_s:g} s" if ref.returncode is None
-                       else f"exited {ref.returncode}")  # fmt: skip
+                how = (
+                    f"ran past --timeout {timeout_s:g} s"
+                    if ref.returncode is None
+                    else f"exited {ref.returncode}"
+                )
                 raise ChaosError(
                     f"the reference run (no kill) {how}. Its last lines:\n{tail(ref.lines)}"
                 )
@@ -199,8 +205,10 @@ def run_chaos(
             try:
                 expected = load_flat(base / "reference" / compare)
             except (OSError, RuntimeError, ValueError) as exc:
-                raise ChaosError(f"the reference run wrote no readable {compare} under {{out}} "
-                                 f"({base / 'reference'}): {exc}") from exc  # fmt: skip
+                raise ChaosError(
+                    f"the reference run wrote no readable {compare} under {{out}} "
+                    f"({base / 'reference'}): {exc}"
+                ) from exc
             silence[0] = max(stall_s, 2 * ref.max_gap_s)
         for pattern in ignore:
             one = _ignore_pattern([pattern])

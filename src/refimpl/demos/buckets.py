@@ -77,10 +77,13 @@ def ddp_hook_trace(widths: tuple[int, ...] = (512,) * 9, steps: int = 3) -> dict
         loss.backward()
         returned = time.perf_counter() - t0
         ddp.zero_grad()
-        trace.append({
-            "events": [(t - t0, kind, i) for t, kind, i in sorted(events)],
-            "buckets": buckets, "backward_returned": returned,
-        })  # fmt: skip
+        trace.append(
+            {
+                "events": [(t - t0, kind, i) for t, kind, i in sorted(events)],
+                "buckets": buckets,
+                "backward_returned": returned,
+            }
+        )
     return {"steps": trace, "names": [n for n, _ in model.named_parameters()]}
 
 
@@ -141,8 +144,11 @@ def ddp_statistics(widths: tuple[int, ...] = (1024,) * 9, steps: int = 12) -> di
         ddp(x).pow(2).mean().backward()
         ddp.zero_grad()
     data = ddp._get_ddp_logging_data()  # type: ignore[no-untyped-call]
-    keys = ("avg_backward_compute_time", "avg_backward_comm_time",
-            "avg_backward_compute_comm_overlap_time")  # fmt: skip
+    keys = (
+        "avg_backward_compute_time",
+        "avg_backward_comm_time",
+        "avg_backward_compute_comm_overlap_time",
+    )
     return {
         **{k: data[k] / 1e6 for k in keys},
         "sampled iteration": data["iteration"],

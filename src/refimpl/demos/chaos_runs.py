@@ -3,8 +3,8 @@ and on `refimpl.demos.chaos_trainers` (a correct trainer and two broken ones).
 
 Each function returns the rows; ``refimpl.chaos.format_table(rows)`` prints them. The runs are
 sized for a notebook: 16 steps of a small MLP, a short sleep per step so a kill lands where
-its line says. On a quiet 2-core machine one trainer's four scenarios take about a minute
-(eight to ten starts of torchrun's workers, each importing torch).
+its line says. One trainer's four scenarios start torchrun's workers eight to ten times, each
+importing torch: that, not the training, is what a run costs.
 """
 
 from __future__ import annotations
@@ -21,9 +21,24 @@ from refimpl.demos.train import train_command
 
 __all__ = ["TRAIN_ARGS", "chaos_report", "chaos_toy", "chaos_train", "toy_command"]
 
-TRAIN_ARGS = ("--steps", "16", "--save-every", "4", "--seed", "3", "--ckpt-dir", "{out}/ckpt",
-              "--final-weights", "{out}/w.pt", "--step-sleep", "0.05", "--progress", "never",
-              "--pg-timeout", "30")  # fmt: skip
+TRAIN_ARGS = (
+    "--steps",
+    "16",
+    "--save-every",
+    "4",
+    "--seed",
+    "3",
+    "--ckpt-dir",
+    "{out}/ckpt",
+    "--final-weights",
+    "{out}/w.pt",
+    "--step-sleep",
+    "0.05",
+    "--progress",
+    "never",
+    "--pg-timeout",
+    "30",
+)
 """`refimpl.train`'s arguments in `chaos_train`: 16 steps, a checkpoint every 4."""
 
 
@@ -47,9 +62,17 @@ def chaos_train(
     """
     flags = [*TRAIN_ARGS, *(["--sharded"] if sharded else []), *extra_args]
     cmd = train_command(flags, max_restarts=2)
-    return run_chaos(cmd, kill_on=r"^\[rank0\] step 6 loss", save_on=r"^\[rank0\] step 8 loss",
-                     compare="w.pt", resume_on=r"\[rank0\] resumed from", scenarios=scenarios,
-                     timeout_s=timeout_s, work=work, jobs=jobs)  # fmt: skip
+    return run_chaos(
+        cmd,
+        kill_on=r"^\[rank0\] step 6 loss",
+        save_on=r"^\[rank0\] step 8 loss",
+        compare="w.pt",
+        resume_on=r"\[rank0\] resumed from",
+        scenarios=scenarios,
+        timeout_s=timeout_s,
+        work=work,
+        jobs=jobs,
+    )
 
 
 def toy_command(variant: str = "ok", nproc: int = 2) -> list[str]:
@@ -77,9 +100,18 @@ def chaos_toy(
     reference (``reference``, as in `refimpl.chaos.run_chaos`) serves them all. Neither
     trainer needs ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``: both call
     `refimpl.launch.init_from_env`, which scopes each attempt's keys."""
-    return run_chaos(toy_command(variant), kill_on=r"^step 6 loss", save_on=r"^saving step 12",
-                     compare="final.pt", scenarios=scenarios, timeout_s=timeout_s, work=work,
-                     env=env, jobs=jobs, reference=reference)  # fmt: skip
+    return run_chaos(
+        toy_command(variant),
+        kill_on=r"^step 6 loss",
+        save_on=r"^saving step 12",
+        compare="final.pt",
+        scenarios=scenarios,
+        timeout_s=timeout_s,
+        work=work,
+        env=env,
+        jobs=jobs,
+        reference=reference,
+    )
 
 
 def chaos_report(rows: Sequence[ChaosRow | Mapping[str, Any]], width: int = 100) -> str:
@@ -97,6 +129,8 @@ def chaos_report(rows: Sequence[ChaosRow | Mapping[str, Any]], width: int = 100)
         notes = [f"resumed: {(r['resume'] or '-').strip()}"]
         if not r["equal"]:
             notes.append(f"difference: {r['difference']}")
-        out += [textwrap.fill(n, width, initial_indent=" " * 4, subsequent_indent=" " * 8)
-                for n in notes]  # fmt: skip
+        out += [
+            textwrap.fill(n, width, initial_indent=" " * 4, subsequent_indent=" " * 8)
+            for n in notes
+        ]
     return "\n".join(out)

@@ -47,8 +47,13 @@ VARIANTS = ("ok", "no-rng", "no-sampler")
 """What each trainer restores on a resume (everything; all but the RNG; all but the sampler)."""
 
 
-def _resume(args: argparse.Namespace, model: DDP, opt: torch.optim.Optimizer,
-            sampler: ResumableSampler, rank: int) -> int:  # fmt: skip
+def _resume(
+    args: argparse.Namespace,
+    model: DDP,
+    opt: torch.optim.Optimizer,
+    sampler: ResumableSampler,
+    rank: int,
+) -> int:
     """Load the newest good checkpoint (minus what the variant forgets); return its step."""
     found = load_latest(os.path.join(args.out, "ckpt"))
     if found is None:
@@ -77,8 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     info = init_from_env(timeout_s=30)
     rank, world = info.rank, info.world_size
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.5),
-                              torch.nn.Linear(16, 1))  # fmt: skip
+    net = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1)
+    )
     model = DDP(net)
     _startup_gc.resume()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -103,14 +109,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             dist.all_gather_object(rngs, capture_rng())  # every rank's stream, not rank 0's
             if rank == 0:
                 print(f"saving step {step}", flush=True)
-                state = capture_state(model, opt, sampler_state=batches.state_dict(), rng=rngs,
-                                      step=step, world_size=world)  # fmt: skip
+                state = capture_state(
+                    model,
+                    opt,
+                    sampler_state=batches.state_dict(),
+                    rng=rngs,
+                    step=step,
+                    world_size=world,
+                )
                 save_checkpoint(os.path.join(args.out, "ckpt"), state, step)
             dist.barrier()  # nobody runs ahead of a save that may yet fail
         time.sleep(args.step_sleep)
     if rank == 0:
-        atomic_save({"model": unwrap_state_dict(model), "step": step},
-                    os.path.join(args.out, "final.pt"))  # fmt: skip
+        atomic_save(
+            {"model": unwrap_state_dict(model), "step": step}, os.path.join(args.out, "final.pt")
+        )
         print(f"done: {step} steps", flush=True)
     dist.barrier()
     dist.destroy_process_group()

@@ -103,8 +103,11 @@ def buffer_drift(steps: int = 30) -> dict[str, str]:
 def no_sync_placement() -> dict[str, dict[str, bool]]:
     """Where must forward and backward be for ``no_sync()`` to skip the all-reduce? For DDP
     and MiniDDP, whether the gradients came out equal on all ranks (i.e. were all-reduced)."""
-    placements = ("forward and backward inside", "forward outside, backward inside",
-                  "forward inside, backward outside")  # fmt: skip
+    placements = (
+        "forward and backward inside",
+        "forward outside, backward inside",
+        "forward inside, backward outside",
+    )
     out: dict[str, dict[str, bool]] = {p: {} for p in placements}
     for impl in ("DDP", "MiniDDP"):
         for placement in placements:
@@ -214,8 +217,10 @@ def rebuild_follows_rank0(bucket_cap_mb: float = 0.3) -> dict[str, Any]:
         "static_graph=True": {"static_graph": True},
         "find_unused_parameters=True": {"find_unused_parameters": True},
         "static_graph=True, find_unused_parameters=True": {
-            "static_graph": True, "find_unused_parameters": True},
-    }  # fmt: skip
+            "static_graph": True,
+            "find_unused_parameters": True,
+        },
+    }
     out: dict[str, Any] = {}
     for label, kwargs in settings.items():
         model = RankOrdered()

@@ -88,5 +88,8 @@ def no_sync_on_one_rank(
         ended = str(exc).split(". ")[0]
     if rank == 0:
         time.sleep(hold_s)
-    return {"all-reduces launched": launched, "params after each step": fingerprints,
-            "ended": ended}  # fmt: skip
+    return {
+        "all-reduces launched": launched,
+        "params after each step": fingerprints,
+        "ended": ended,
+    }

@@ -1,14 +1,14 @@
 """Chapter 3's profile of one training step: where `MiniDDP`'s time went, next to DDP's.
 
-A first `MiniDDP` was 1.2-1.3 times slower per step than ``DistributedDataParallel`` with the
-same buckets and the same gradient storage (``gradient_as_bucket_view=True``). The obvious
-suspect was Python: one hook call per parameter where DDP's Reducer runs C++. `profile_step`
-measures a step of each version side by side: wall time, CPU time of the training thread,
-the process's minor page faults, the tail after the last gradient, and the CPU time of
-MiniDDP's hooks with and without the copies into the buckets. It found the allocator, not
-Python: the first version kept every fresh gradient alive until the end of backward
-(`LateViewMiniDDP`, kept here to measure it), and the memory came back from the OS on
-every step.
+A first `MiniDDP` was slower per step than ``DistributedDataParallel`` (chapter 3 shows by how
+much) with the same buckets and the same gradient storage (``gradient_as_bucket_view=True``).
+The obvious suspect was Python: one hook call per parameter where DDP's Reducer runs C++.
+`profile_step` measures a step of each version side by side: wall time, CPU time of the
+training thread, the process's minor page faults, the tail after the last gradient, and the CPU
+time of MiniDDP's hooks with and without the copies into the buckets. It found the allocator,
+not Python: the first version kept every fresh gradient alive until the end of backward
+(`LateViewMiniDDP`, kept here to measure it), and the memory came back from the OS on every
+step.
 `grad_during_backward` shows the fix: each hook now points ``.grad`` at the bucket at once.
 """
 
@@ -141,13 +141,19 @@ def profile_step(
             clocks[k].hooks_cpu = 0.0
             wall, cpu = time.perf_counter(), time.thread_time()
             tails = run(k)
-            sample = torch.tensor([
-                time.perf_counter() - wall,
-                time.thread_time() - cpu,
-                resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
-                tails,
-                clocks[k].hooks_cpu,
-            ], dtype=torch.float64) / steps  # fmt: skip
+            sample = (
+                torch.tensor(
+                    [
+                        time.perf_counter() - wall,
+                        time.thread_time() - cpu,
+                        resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
+                        tails,
+                        clocks[k].hooks_cpu,
+                    ],
+                    dtype=torch.float64,
+                )
+                / steps
+            )
             dist.all_reduce(sample, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
             samples[k].append(sample.tolist())
     out: dict[str, dict[str, float]] = {}

@@ -60,8 +60,13 @@ def plot_hook_trace(trace: dict[str, Any], steps: tuple[int, ...] = (0, 2)) -> A
             elif kind == "launch":
                 launched[i] = 1e3 * t
             elif kind == "done" and i in launched:
-                ax.barh(-1.2 - i, 1e3 * t - launched[i], left=launched[i], height=0.7,
-                        color=colors(i % 10))  # fmt: skip
+                ax.barh(
+                    -1.2 - i,
+                    1e3 * t - launched[i],
+                    left=launched[i],
+                    height=0.7,
+                    color=colors(i % 10),
+                )
         ax.axvline(1e3 * step["backward_returned"], color="black", linestyle="--", linewidth=1)
         ticks = list(range(len(layers))) + [-1.2 - b for b in range(len(buckets))]
         labels = [f"layer {name}" for name in layers]
@@ -72,10 +77,16 @@ def plot_hook_trace(trace: dict[str, Any], steps: tuple[int, ...] = (0, 2)) -> A
         ax.set_title(f"step {s + 1}: {many}", fontsize=11)
     axes[-1].set_xlabel("ms since backward() was called", fontsize=10)
     handles: list[Any] = [
-        Line2D([], [], marker="o", linestyle="", color=colors(b % 10),
-               label=f"gradient ready, bucket {b}")
+        Line2D(
+            [],
+            [],
+            marker="o",
+            linestyle="",
+            color=colors(b % 10),
+            label=f"gradient ready, bucket {b}",
+        )
         for b in range(most)
-    ]  # fmt: skip
+    ]
     handles.append(Patch(color="0.6", label="a bucket's all-reduce, launch to done"))
     handles.append(Line2D([], [], color="black", linestyle="--", label="backward() returned"))
     fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=10, frameon=False)

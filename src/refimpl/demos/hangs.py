@@ -177,8 +177,15 @@ def spy_on_a_stuck_job(
 
     def job() -> None:
         try:
-            spawn(stuck_rank_worker, world_size, directory, world_size - 1, 60.0,
-                  timeout_s=60, pg_timeout_s=pg_timeout_s)  # fmt: skip
+            spawn(
+                stuck_rank_worker,
+                world_size,
+                directory,
+                world_size - 1,
+                60.0,
+                timeout_s=60,
+                pg_timeout_s=pg_timeout_s,
+            )
         except BaseException as exc:  # handed to the caller
             failure.append(exc)
 
@@ -194,8 +201,12 @@ def spy_on_a_stuck_job(
     dumps: dict[int, str] = {}
     for rank, pid_file in enumerate(pid_files):
         try:
-            done = subprocess.run([tool, "dump", "--pid", pid_file.read_text()],
-                                  capture_output=True, text=True, timeout=30)  # fmt: skip
+            done = subprocess.run(
+                [tool, "dump", "--pid", pid_file.read_text()],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             dumps[rank] = done.stdout if done.returncode == 0 else done.stderr.strip()
         except (OSError, subprocess.SubprocessError) as exc:
             dumps[rank] = f"{type(exc).__name__}: {exc}"

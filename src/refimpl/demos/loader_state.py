@@ -208,8 +208,13 @@ def augment_resume(
     def fresh() -> tuple[ResumableSampler, Any]:
         torch.manual_seed(0)  # the same base_seed for every loader's workers
         s = ResumableSampler(n, batch_size=batch_size, rank=0, world_size=1, seed=0)
-        dl = kind(NoisySamples(n, seed), batch_size=batch_size, sampler=s,
-                  num_workers=num_workers, collate_fn=_as_list)  # fmt: skip
+        dl = kind(
+            NoisySamples(n, seed),
+            batch_size=batch_size,
+            sampler=s,
+            num_workers=num_workers,
+            collate_fn=_as_list,
+        )
         return s, dl
 
     with warnings.catch_warnings():

@@ -86,18 +86,35 @@ def free_port() -> int:
 
 
 def agent_command(
-    train_args: Sequence[str], *, nnodes: str, port: int, rdzv_id: str, host: bool,
-    max_restarts: int = 2, local_addr: str | None = None,
-) -> list[str]:  # fmt: skip
+    train_args: Sequence[str],
+    *,
+    nnodes: str,
+    port: int,
+    rdzv_id: str,
+    host: bool,
+    max_restarts: int = 2,
+    local_addr: str | None = None,
+) -> list[str]:
     """One node's line: ``torchrun --nnodes=N --nproc-per-node=1 --rdzv-backend=c10d ...``
     (with ``local_addr``, ``--local-addr=ADDR``: the node's address, which orders node ranks)."""
     conf = ",".join(f"{k}={v}" for k, v in {**RDZV_CONF, "is_host": int(host)}.items())
     torchrun = Path(sys.executable).with_name("torchrun")
     head = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
     addr = [f"--local-addr={local_addr}"] if local_addr is not None else []
-    return [*head, f"--nnodes={nnodes}", "--nproc-per-node=1", f"--max-restarts={max_restarts}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv_id}",
-            f"--rdzv-conf={conf}", *addr, "-m", "refimpl.train", *train_args]  # fmt: skip
+    return [
+        *head,
+        f"--nnodes={nnodes}",
+        "--nproc-per-node=1",
+        f"--max-restarts={max_restarts}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id={rdzv_id}",
+        f"--rdzv-conf={conf}",
+        *addr,
+        "-m",
+        "refimpl.train",
+        *train_args,
+    ]
 
 
 @dataclass
@@ -117,8 +134,15 @@ class TwoNodes:
     """Start agents side by side, watch their lines, kill one as a scheduler does, and on
     exit kill whatever is left (every process carries a marker, as in `refimpl.chaos`)."""
 
-    def __init__(self, workdir: str | os.PathLike[str], train_args: Sequence[str], *,
-                 nnodes: str, max_restarts: int = 2, share_store: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        workdir: str | os.PathLike[str],
+        train_args: Sequence[str],
+        *,
+        nnodes: str,
+        max_restarts: int = 2,
+        share_store: bool = True,
+    ) -> None:
         self.share_store = share_store
         self.workdir, self.train_args = Path(workdir), list(train_args)
         self.nnodes, self.max_restarts = nnodes, max_restarts
@@ -136,18 +160,31 @@ class TwoNodes:
     def start(self, name: str, *, host: bool, local_addr: str | None = None) -> Node:
         """Start one agent (``host``: it serves the rendezvous store; ``local_addr``: its
         ``--local-addr``)."""
-        cmd = agent_command(self.train_args, nnodes=self.nnodes, port=self.port,
-                            rdzv_id=self.rdzv_id, host=host, max_restarts=self.max_restarts,
-                            local_addr=local_addr)  # fmt: skip
+        cmd = agent_command(
+            self.train_args,
+            nnodes=self.nnodes,
+            port=self.port,
+            rdzv_id=self.rdzv_id,
+            host=host,
+            max_restarts=self.max_restarts,
+            local_addr=local_addr,
+        )
         token = uuid.uuid4().hex
         env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
         env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
         if not self.share_store:  # a store per round: see `elastic_loss`
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         env.update({MARKER: token, "LOGLEVEL": "INFO"})
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=env, cwd=self.workdir, start_new_session=True,
-                                errors="replace")  # fmt: skip
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=self.workdir,
+            start_new_session=True,
+            errors="replace",
+        )
         node = Node(name, proc, token)
         node.reader = threading.Thread(target=self._read, args=(node,), daemon=True)
         node.reader.start()
@@ -231,8 +268,9 @@ def rank0_attempts(lines: Sequence[str]) -> list[dict[str, int]]:
     return [a for a in out if a["resumed_from"] >= 0]  # an attempt that died before loading
 
 
-def trained_once(sample_log: str | os.PathLike[str], attempts: Sequence[dict[str, int]],
-                 samples: int) -> dict[str, Any]:  # fmt: skip
+def trained_once(
+    sample_log: str | os.PathLike[str], attempts: Sequence[dict[str, int]], samples: int
+) -> dict[str, Any]:
     """The samples the final model was trained on, by epoch, from ``--sample-log`` files.
 
     A killed attempt's steps after its last checkpoint are trained again by the next one, and
@@ -274,17 +312,27 @@ def _excerpt(run: TwoNodes, keep: Sequence[str]) -> list[str]:
     def short(line: str) -> str:
         return line.split("] ", 1)[-1].split(" of binary: ")[0] if line[:1] in "IWE" else line
 
-    return [f"t={t:5.1f}s {name}: {short(line)}"
-            for t, name, line in run.lines() if any(k in line for k in keep)]  # fmt: skip
+    return [
+        f"t={t:5.1f}s {name}: {short(line)}"
+        for t, name, line in run.lines()
+        if any(k in line for k in keep)
+    ]
 
 
 AGENT_KEEP = ("attempts left", "new nodes", "as rank", "Worker group FAILED", "failed (exitcode")
-TRAINER_KEEP = ("[rank0] start", "[rank0] resumed", "[rank0] no checkpoint", "injected fault",
-                "[rank0] done", "[rank1] start")  # fmt: skip
+TRAINER_KEEP = (
+    "[rank0] start",
+    "[rank0] resumed",
+    "[rank0] no checkpoint",
+    "injected fault",
+    "[rank0] done",
+    "[rank1] start",
+)
 
 
-def fixed_restart(workdir: str | os.PathLike[str], train_args: Sequence[str], *,
-                  timeout_s: float = 120.0) -> dict[str, Any]:  # fmt: skip
+def fixed_restart(
+    workdir: str | os.PathLike[str], train_args: Sequence[str], *, timeout_s: float = 120.0
+) -> dict[str, Any]:
     """A fixed ``--nnodes=2`` job of two agents, run to its end (``train_args`` bring the
     fault, e.g. ``--fail-at-step 7 --fail-rank 1``): exit codes, rank 0's attempts,
     excerpts of the log and the seconds it took."""
@@ -296,12 +344,18 @@ def fixed_restart(workdir: str | os.PathLike[str], train_args: Sequence[str], *,
         codes = run.wait(timeout_s)
         seconds = time.monotonic() - run.t0
     texts = [line for _, _, line in run.lines()]
-    return {"exit": codes, "attempts": rank0_attempts(texts), "seconds": round(seconds, 1),
-            "log": _excerpt(run, (*AGENT_KEEP, *TRAINER_KEEP)), "lines": texts}  # fmt: skip
+    return {
+        "exit": codes,
+        "attempts": rank0_attempts(texts),
+        "seconds": round(seconds, 1),
+        "log": _excerpt(run, (*AGENT_KEEP, *TRAINER_KEEP)),
+        "lines": texts,
+    }
 
 
-def _lose_and_regrow(run: TwoNodes, kill_after_step: int, regrow: bool, timeout_s: float,
-                     out: dict[str, Any]) -> None:  # fmt: skip
+def _lose_and_regrow(
+    run: TwoNodes, kill_after_step: int, regrow: bool, timeout_s: float, out: dict[str, Any]
+) -> None:
     run.start("a", host=True)
     b = run.start("b", host=False)
     two = run.wait_for(r"^\[rank0\] start: world 2", timeout_s=timeout_s)
@@ -313,19 +367,30 @@ def _lose_and_regrow(run: TwoNodes, kill_after_step: int, regrow: bool, timeout_
         run.start("b", host=False)
         started = time.monotonic() - run.t0
     alone = run.wait_for(r"^\[rank0\] step \d+ loss", since=one, timeout_s=timeout_s)
-    out["shrink"] = {"seen_s": round(failed - killed, 1), "worker_s": round(one - killed, 1),
-                     "step_s": round(alone - killed, 1)}  # fmt: skip
+    out["shrink"] = {
+        "seen_s": round(failed - killed, 1),
+        "worker_s": round(one - killed, 1),
+        "step_s": round(alone - killed, 1),
+    }
     if regrow:
         seen = run.wait_for("new nodes", since=started, timeout_s=timeout_s)
         again = run.wait_for(r"^\[rank0\] start: world 2", since=started, timeout_s=timeout_s)
         first = run.wait_for(r"^\[rank0\] step \d+ loss", since=again, timeout_s=timeout_s)
-        out["grow"] = {"seen_s": round(seen - started, 1), "worker_s": round(again - started, 1),
-                       "step_s": round(first - started, 1)}  # fmt: skip
+        out["grow"] = {
+            "seen_s": round(seen - started, 1),
+            "worker_s": round(again - started, 1),
+            "step_s": round(first - started, 1),
+        }
 
 
-def elastic_loss(workdir: str | os.PathLike[str], train_args: Sequence[str], *,
-                 kill_after_step: int, regrow: bool = True,
-                 timeout_s: float = 120.0) -> dict[str, Any]:  # fmt: skip
+def elastic_loss(
+    workdir: str | os.PathLike[str],
+    train_args: Sequence[str],
+    *,
+    kill_after_step: int,
+    regrow: bool = True,
+    timeout_s: float = 120.0,
+) -> dict[str, Any]:
     """An elastic ``--nnodes=1:2`` job loses node ``b`` (agent and worker SIGKILLed) once
     rank 0 has logged ``kill_after_step`` at world 2; with ``regrow``, ``b`` is started
     again once the job trains alone. Returns exit codes, rank 0's attempts, the seconds from
@@ -374,9 +439,14 @@ def _listening(address: str) -> bool:
         return False
 
 
-def lose_store_host(workdir: str | os.PathLike[str], train_args: Sequence[str], *,
-                    share_store: bool, kill_after_step: int,
-                    timeout_s: float = 120.0) -> dict[str, Any]:  # fmt: skip
+def lose_store_host(
+    workdir: str | os.PathLike[str],
+    train_args: Sequence[str],
+    *,
+    share_store: bool,
+    kill_after_step: int,
+    timeout_s: float = 120.0,
+) -> dict[str, Any]:
     """An elastic ``--nnodes=2:3`` job of three agents loses node ``b``, rank 0 of the first
     round (`STORE_HOST_ADDRS`), once rank 0 has logged ``kill_after_step`` at world 3.
 
@@ -396,13 +466,16 @@ def lose_store_host(workdir: str | os.PathLike[str], train_args: Sequence[str], 
     work.mkdir(parents=True, exist_ok=True)
     out: dict[str, Any] = {}
     with TwoNodes(work, train_args, nnodes="2:3", share_store=share_store) as run:
-        nodes = {name: run.start(name, host=name == "a", local_addr=STORE_HOST_ADDRS[name])
-                 for name in ("a", "b", "c")}  # fmt: skip
+        nodes = {
+            name: run.start(name, host=name == "a", local_addr=STORE_HOST_ADDRS[name])
+            for name in ("a", "b", "c")
+        }
         deadline = time.monotonic() + timeout_s
         try:
             three = run.wait_for(r"^\[rank0\] start: world 3", timeout_s=timeout_s)
-            run.wait_for(rf"^\[rank0\] step {kill_after_step} loss", since=three,
-                         timeout_s=timeout_s)  # fmt: skip
+            run.wait_for(
+                rf"^\[rank0\] step {kill_after_step} loss", since=three, timeout_s=timeout_s
+            )
             first = {n: _worker_store(node, set(), deadline) for n, node in nodes.items()}
             out["before"] = {n: address for n, (_, address) in first.items()}
             run.kill(nodes["b"])

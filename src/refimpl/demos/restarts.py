@@ -23,8 +23,18 @@ from refimpl.demos.train import TrainRun, run_train, same_weights
 
 __all__ = ["PARTS", "readme_runs", "restart_cost", "split_restarts", "stuck_save"]
 
-README_ARGS = ["--steps", "30", "--save-every", "5", "--seed", "3", "--ckpt-dir", "ck",
-               "--final-weights", "w.pt"]  # fmt: skip
+README_ARGS = [
+    "--steps",
+    "30",
+    "--save-every",
+    "5",
+    "--seed",
+    "3",
+    "--ckpt-dir",
+    "ck",
+    "--final-weights",
+    "w.pt",
+]
 PARTS = ("detect", "stop+rendezvous", "spawn", "imports", "group init", "load", "first step")
 """The parts of R, in order. kill -> agent logs the failure -> rendezvous done -> process
 created -> torch imported -> process group ready -> checkpoint loaded -> first step logged."""
@@ -60,8 +70,9 @@ def readme_runs(workdir: str | os.PathLike[str], runs: int = 5) -> list[dict[str
         reference = pool.submit(_reference, work)
         for i in range(runs):
             try:
-                run = _run_in(work, f"run{i}", [*README_ARGS, "--fail-at-step", "17"],
-                              timeout_s=120)  # fmt: skip
+                run = _run_in(
+                    work, f"run{i}", [*README_ARGS, "--fail-at-step", "17"], timeout_s=120
+                )
                 killed.append((run.returncode, run.seconds))
             except TimeoutError:
                 killed.append((None, 120.0))  # killed: it hung
@@ -88,17 +99,24 @@ def stuck_save(
     """
     work = Path(workdir)
     _reference(work)
-    args = [*README_ARGS, "--step-timeout", str(step_timeout), "--hang-in-save-at-step",
-            str(hang_at)]  # fmt: skip
-    run = _run_in(work, "stuck", args, timeout_s=180,
-                  env={"TORCHELASTIC_ENABLE_FILE_TIMER": "1"})  # fmt: skip
+    args = [
+        *README_ARGS,
+        "--step-timeout",
+        str(step_timeout),
+        "--hang-in-save-at-step",
+        str(hang_at),
+    ]
+    run = _run_in(work, "stuck", args, timeout_s=180, env={"TORCHELASTIC_ENABLE_FILE_TIMER": "1"})
     same = run.returncode == 0 and same_weights(
         work / "reference" / "w.pt", work / "stuck" / "w.pt"
     )
     keep = ("injected hang", "start:", "resumed", "done", f"step {hang_at} loss")
     trainer = [ln for ln in run.stdout.splitlines() if any(k in ln for k in keep)]
-    agent = [ln.split("] ", 1)[-1] for ln in run.stderr.splitlines()
-             if "failed (exitcode" in ln or "Reaping worker" in ln]  # fmt: skip
+    agent = [
+        ln.split("] ", 1)[-1]
+        for ln in run.stderr.splitlines()
+        if "failed (exitcode" in ln or "Reaping worker" in ln
+    ]
     ended = sorted(set(re.findall(r"exitcode: -(\d+)\) local_rank: (\d+)", run.stderr)))
     # Which rank the timer server reaps first is a race: rank 0 hangs in its save, the
     # others wait for it inside the same guarded save, and all their timers run out within
@@ -110,9 +128,16 @@ def stuck_save(
         f"{run.returncode}, " + ("bit-identical to the uninterrupted run" if same else "DIFFERENT")
     )
     ref_ok = (work / "reference" / "w.pt").exists()
-    return {"returncode": run.returncode, "identical": same, "ref_ok": ref_ok,
-            "seconds": round(run.seconds, 1), "trainer": trainer, "agent": agent,
-            "ended": [(int(r), int(n)) for n, r in ended], "verdict": verdict}  # fmt: skip
+    return {
+        "returncode": run.returncode,
+        "identical": same,
+        "ref_ok": ref_ok,
+        "seconds": round(run.seconds, 1),
+        "trainer": trainer,
+        "agent": agent,
+        "ended": [(int(r), int(n)) for n, r in ended],
+        "verdict": verdict,
+    }
 
 
 def _agent_time(match: re.Match[str], year: int) -> float:
@@ -169,11 +194,27 @@ def restart_cost(workdir: str | os.PathLike[str], kills: int = 5) -> dict[str, A
     """SIGKILL rank 1 ``kills`` times (once per attempt, two steps after a save) and return
     each restart's R and parts, and their median and spread (min, max) over the kills."""
     steps = 6 * (kills + 1)
-    args = ["--steps", str(steps), "--save-every", "3", "--seed", "3", "--ckpt-dir", "ck",
-            "--log-times"]  # fmt: skip
+    args = [
+        "--steps",
+        str(steps),
+        "--save-every",
+        "3",
+        "--seed",
+        "3",
+        "--ckpt-dir",
+        "ck",
+        "--log-times",
+    ]
     where = [(1, 6 * k + 5) for k in range(kills)]  # rank 1, once rank 0 logged that step
-    run = _run_in(Path(workdir), "cost", args, max_restarts=kills, timeout_s=60.0 * (kills + 1),
-                  kills=where, env={"LOGLEVEL": "INFO"})  # fmt: skip
+    run = _run_in(
+        Path(workdir),
+        "cost",
+        args,
+        max_restarts=kills,
+        timeout_s=60.0 * (kills + 1),
+        kills=where,
+        env={"LOGLEVEL": "INFO"},
+    )
     if run.returncode != 0:
         raise RuntimeError(f"the killed run did not finish:\n{run.stderr[-3000:]}")
     rows = split_restarts(run)
@@ -181,6 +222,9 @@ def restart_cost(workdir: str | os.PathLike[str], kills: int = 5) -> dict[str, A
     for part in ("R", *PARTS):
         values = [r[part] for r in rows]
         if values:
-            summary[part] = {"median": round(statistics.median(values), 3),
-                             "min": min(values), "max": max(values)}  # fmt: skip
+            summary[part] = {
+                "median": round(statistics.median(values), 3),
+                "min": min(values),
+                "max": max(values),
+            }
     return {"kills": len(run.kill_times), "measured": len(rows), "rows": rows, "summary": summary}

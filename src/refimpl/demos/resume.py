@@ -88,9 +88,15 @@ def lost_repeated_table(
             ml, mr = count_lost_repeated(n, minimind_draws(n, batch_size, a, b, step))
             rl, rr = count_lost_repeated(n, resumable_draws(n, batch_size, a, b, step))
             rows.append(
-                {"A→B": f"{a}→{b}", "step": step, "minimind lost": ml,
-                 "minimind repeated": mr, "resumable lost": rl, "resumable repeated": rr}
-            )  # fmt: skip
+                {
+                    "A→B": f"{a}→{b}",
+                    "step": step,
+                    "minimind lost": ml,
+                    "minimind repeated": mr,
+                    "resumable lost": rl,
+                    "resumable repeated": rr,
+                }
+            )
     return rows
 
 
@@ -178,9 +184,14 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
         if not cfg.get("restore_rng", True):
             state = {**state, "rng": None}
         info = restore_state(
-            state, model, opt if cfg.get("restore_optimizer", True) else None,
-            scheduler=sched, scaler=scaler, rank=rank, world_size=ws,
-        )  # fmt: skip
+            state,
+            model,
+            opt if cfg.get("restore_optimizer", True) else None,
+            scheduler=sched,
+            scaler=scaler,
+            rank=rank,
+            world_size=ws,
+        )
         if info["world_size"] != ws:
             torch.manual_seed(100 + rank)  # per-rank RNG cannot map across world sizes
         sampler.load_state_dict(info["sampler"])
@@ -207,9 +218,15 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
         dist.all_gather_object(rngs, capture_rng())
         done = stop - start
         state = capture_state(
-            model, opt, scheduler=sched, scaler=scaler, rng=rngs, step=stop, world_size=ws,
+            model,
+            opt,
+            scheduler=sched,
+            scaler=scaler,
+            rng=rngs,
+            step=stop,
+            world_size=ws,
             sampler_state=sampler.state_dict(batches_done=done),
-        )  # fmt: skip
+        )
         if rank == 0:
             save_checkpoint(cfg["ckpt_dir"], state, step=stop)
         dist.barrier()
@@ -232,22 +249,32 @@ def resume_experiment(
 ) -> dict[str, Any]:
     """Run ``steps`` uninterrupted at ``ws_before`` ranks, then the same run stopped at
     ``crash_at``, saved, and resumed at ``ws_after`` ranks with the same global batch.
-    Returns both runs' per-step losses, sample orders and final parameters."""  # fmt: skip
+    Returns both runs' per-step losses, sample orders and final parameters."""
     from refimpl.launch import spawn
 
     def cfg(ws: int, **kw: Any) -> dict[str, Any]:
-        return {"n": n, "batch_size": global_batch // ws, "steps": steps, "dropout": dropout,
-                "ckpt_dir": ckpt_dir, **kw}  # fmt: skip
+        return {
+            "n": n,
+            "batch_size": global_batch // ws,
+            "steps": steps,
+            "dropout": dropout,
+            "ckpt_dir": ckpt_dir,
+            **kw,
+        }
 
     full = spawn(train, ws_before, cfg(ws_before), timeout_s=120)[0]
     first = spawn(train, ws_before, cfg(ws_before, stop_at=crash_at), timeout_s=120)[0]
     second = spawn(
-        train, ws_after,
+        train,
+        ws_after,
         cfg(ws_after, resume=True, restore_optimizer=restore_optimizer, restore_rng=restore_rng),
         timeout_s=120,
-    )[0]  # fmt: skip
+    )[0]
     return {
-        "full_losses": full["losses"], "resumed_losses": first["losses"] + second["losses"],
-        "full_order": full["order"], "resumed_order": first["order"] + second["order"],
-        "full_params": full["params"], "resumed_params": second["params"],
-    }  # fmt: skip
+        "full_losses": full["losses"],
+        "resumed_losses": first["losses"] + second["losses"],
+        "full_order": full["order"],
+        "resumed_order": first["order"] + second["order"],
+        "full_params": full["params"],
+        "resumed_params": second["params"],
+    }

@@ -101,10 +101,14 @@ def plot_timeline(spans: list[dict[str, Any]], title: str, ax: Any = None) -> An
     ranks = sorted({s["rank"] for s in spans})
     for s in spans:
         ax.barh(
-            s["rank"], s["end"] - s["start"], left=s["start"], height=0.6,
-            color=_COLORS.get(s["phase"], "tab:gray"), edgecolor="black",
+            s["rank"],
+            s["end"] - s["start"],
+            left=s["start"],
+            height=0.6,
+            color=_COLORS.get(s["phase"], "tab:gray"),
+            edgecolor="black",
             hatch="//" if s["error"] else None,
-        )  # fmt: skip
+        )
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlabel("seconds")

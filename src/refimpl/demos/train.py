@@ -81,8 +81,15 @@ def train_command(
         raise ValueError(f"launcher must be 'torchrun' or 'python', not {launcher!r}")
     torchrun = Path(sys.executable).with_name("torchrun")  # the one of this environment
     head = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    return [*head, "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
-            "-m", "refimpl.train", *train_args]  # fmt: skip
+    return [
+        *head,
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        f"--max-restarts={max_restarts}",
+        "-m",
+        "refimpl.train",
+        *train_args,
+    ]
 
 
 def _children(pid: int) -> list[int]:
@@ -220,8 +227,9 @@ def parse_log(text: str) -> list[Event]:
             groups = found.groups()
             step = None if kind in ("start", "fresh") else int(groups[0])
             value = float(groups[1]) if kind == "loss" else None
-            events.append(Event(attempt.get(rank, 0), rank, kind, 0 if kind == "fresh" else step,
-                                value))  # fmt: skip
+            events.append(
+                Event(attempt.get(rank, 0), rank, kind, 0 if kind == "fresh" else step, value)
+            )
             break
     return events
 
@@ -231,8 +239,16 @@ def attempts(events: Sequence[Event]) -> list[dict[str, Any]]:
     and how it ended (``"fault on rank R at step S"``, ``"SIGTERM after step S"``, ``"done"``)."""
     out: dict[int, dict[str, Any]] = {}
     for e in events:
-        a = out.setdefault(e.attempt, {"attempt": e.attempt, "resumed_from": None, "losses": {},
-                                       "saved": [], "end": "killed"})  # fmt: skip
+        a = out.setdefault(
+            e.attempt,
+            {
+                "attempt": e.attempt,
+                "resumed_from": None,
+                "losses": {},
+                "saved": [],
+                "end": "killed",
+            },
+        )
         if e.kind in ("fresh", "resume") and e.rank == 0:
             a["resumed_from"] = e.step
         elif e.kind == "loss":

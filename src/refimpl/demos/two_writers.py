@@ -83,8 +83,9 @@ def _turns(steps: int, lag: int) -> list[str]:
     return head + both + ["B"] * (steps - (steps - len(head)))
 
 
-def two_jobs(root: str | os.PathLike[str], *, lock: bool, steps: int = 4,
-             timeout_s: float = 60.0) -> TwoJobs:  # fmt: skip
+def two_jobs(
+    root: str | os.PathLike[str], *, lock: bool, steps: int = 4, timeout_s: float = 60.0
+) -> TwoJobs:
     """Run jobs A and B in ``root`` (a fresh directory) as described above; return the story."""
     ctx = mp.get_context("spawn")
     out = TwoJobs()

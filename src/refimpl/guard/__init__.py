@@ -9,8 +9,9 @@ but not the second: it has no idea what a tensor *means*.
 
 `CollectiveGuard` gives every collective a ``name``. Before each call the ranks exchange a
 fixed-size fingerprint (sequence number, op, name, shape, dtype: 32 int64): over Unix
-datagram sockets when every rank runs on one host (``guard/_host_exchange.py``, about 12 us
-on 2 cores), else with one all-gather in a gloo group of the guard's own. Every rank then holds
+datagram sockets when every rank runs on one host (``guard/_host_exchange.py``), else with
+one all-gather in a gloo group of the guard's own (chapter 7 and ``python -m refimpl.bench
+guard`` measure both). Every rank then holds
 every rank's call, and if they differ every rank raises `CollectiveMismatch` naming what
 each rank was calling, so the job stops at the first divergent call instead of hanging or
 averaging the wrong metric.
@@ -23,6 +24,10 @@ error names each rank's last call: the last one all ranks passed together, or, f
 that waited at this very call and gave up, that call, which a failing rank leaves in the
 process group's store.
 
+`ReferenceGuard` is the same check written plainly (one all-gather of the fingerprint per
+call, nothing cached or carried): read it first, then `CollectiveGuard` as that plus its
+speed-ups. Both give the same verdict and the same `CollectiveMismatch` for the same calls.
+
 Example::
 
     guard = CollectiveGuard()
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 from refimpl.guard._collective_guard import CARRY_BYTES, CollectiveGuard
 from refimpl.guard._fingerprint import FINGERPRINT_LEN, MAX_DIMS, NAME_BYTES, GuardedCall
+from refimpl.guard._reference import ReferenceGuard
 from refimpl.guard._report import CollectiveMismatch
 
 __all__ = [
@@ -43,8 +49,11 @@ __all__ = [
     "CollectiveGuard",
     "CollectiveMismatch",
     "GuardedCall",
+    "ReferenceGuard",
 ]
 
 # documented, and pickled by reference, as refimpl.guard's (a CollectiveMismatch raised in a
 # rank reaches the parent through pickle)
-GuardedCall.__module__ = CollectiveMismatch.__module__ = CollectiveGuard.__module__ = __name__
+for _public in (GuardedCall, CollectiveMismatch, CollectiveGuard, ReferenceGuard):
+    _public.__module__ = __name__
+del _public

@@ -21,9 +21,15 @@ _OPS: dict[int, Any] = {  # reduce op code: the element-wise op applied rank aft
     _CODE["MIN"]: np.minimum,
 }
 _DTYPES = {
-    torch.float16, torch.float32, torch.float64,
-    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-}  # fmt: skip
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+}
 
 
 def carriable(tensor: torch.Tensor, code: int) -> bool:

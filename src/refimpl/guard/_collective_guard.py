@@ -14,20 +14,14 @@ import torch
 import torch.distributed as dist
 
 from refimpl._group_timeout import group_timeout
+from refimpl.guard._buffers import CARRY_BYTES, ExchangeBuffers
 from refimpl.guard._carry import carriable, reduce_in_rank_order
-from refimpl.guard._fingerprint import (
-    FINGERPRINT_LEN,
-    decode,
-    fingerprint,
-    reduce_code,
-)
-from refimpl.guard._host_exchange import HostExchange
-from refimpl.guard._report import CollectiveMismatch, Where, timeout_report
+from refimpl.guard._exchange import RowExchange, connect
+from refimpl.guard._fingerprint import FINGERPRINT_LEN, fingerprint, reduce_code
+from refimpl.guard._report import Where, mismatch_report, timeout_report
 
-CARRY_BYTES = 256
-"""A guarded all-reduce of a CPU tensor up to this size travels inside the fingerprint
-exchange itself (see `CollectiveGuard.all_reduce`)."""
-_ROW = FINGERPRINT_LEN + CARRY_BYTES // 8  # int64 slots each rank contributes per exchange
+__all__ = ["CARRY_BYTES", "CollectiveGuard"]
+
 _CARRY_MAX_WORLD = 64  # past this, gathering every rank's copy costs more than it saves
 _CACHED_FINGERPRINTS = 1024  # kinds of call (op, name, dtype, shape) kept ready per guard
 _SUM = dist.ReduceOp.SUM
@@ -72,25 +66,10 @@ class CollectiveGuard:
         self._store: Any = None
         self._world: int | None = None  # set with the check group (or at the first check)
         self._me = 0
-        # This rank's row (fingerprint, then room for a carried tensor) and every rank's, as
-        # int64 arrays that tensors and numpy share: the hot path builds no tensors.
-        self._fp = array("q", bytes(8 * _ROW))
-        self._fp_t = torch.frombuffer(self._fp, dtype=torch.int64)
-        self._fp_np = np.frombuffer(self._fp, dtype=np.int64)
-        self._carry_np = self._fp_np[FINGERPRINT_LEN:].view(np.uint8)
-        self._heads_bytes: list[memoryview] = []
-        self._typed_rows: dict[Any, list[np.ndarray[Any, Any]]] = {}
-        self._all = array("q")
-        self._all_t = torch.empty(0, dtype=torch.int64)
-        self._all_rows: list[torch.Tensor] = []
+        self._buffers = ExchangeBuffers()
         self._pg: Any = None  # the check group's ProcessGroup object
         self._want_host = host_exchange
-        self._host: HostExchange | None = None  # set by _join when every rank is on this host
-        self._row_bytes = memoryview(self._fp).cast("B")
-        self._head_bytes = self._row_bytes[: FINGERPRINT_LEN * 8]
-        self._rows_bytes: list[memoryview] = []
-        self._heads = np.empty((0, FINGERPRINT_LEN), dtype=np.int64)
-        self._carried_rows = np.empty((0, CARRY_BYTES), dtype=np.uint8)
+        self._rows: RowExchange | None = None  # the exchange path, chosen by _join
         self._fingerprints: dict[Any, array[int]] = {}
         self._last_passed: array[int] | None = None  # the last call every rank agreed on
         # Guards are created in the same order on every rank (creation is collective), so a
@@ -126,67 +105,42 @@ class CollectiveGuard:
         """Every rank gets every rank's fingerprint (and ``carry``'s bytes after it)."""
         # None: the process group appeared after the guard was built
         world = self._world if self._world is not None else self._join()
-        fp = self._fp
+        buffers = self._buffers
+        fp = buffers.own_row
         fp[:FINGERPRINT_LEN] = self._static_part(op, name, tensor, detail)
         fp[1] = self.seq
         self.seq += 1
         if carry is not None:
-            if not carry.flags.c_contiguous:
-                carry = np.ascontiguousarray(carry)  # a strided view: copied
-            self._carry_np[: carry.nbytes] = carry.reshape(-1).view(np.uint8)
+            buffers.put_carry(carry)
+        rows = self._rows
+        assert rows is not None  # set by _join
         arrived, started = time.time(), time.monotonic()
         # One exchange of a fixed-size row: every rank gets every rank's call at once, so
-        # agreeing costs one exchange and disagreeing needs no second one. Across hosts, an
-        # all-gather called on the ProcessGroup itself: dist.all_gather's Python checks cost
-        # about as much as the collective (measured interleaved on 2 loaded cores: 500 us
-        # against 315 us).
+        # agreeing costs one exchange and disagreeing needs no second one.
         try:
-            if self._host is not None:
-                self._host.exchange(self._row_bytes, self._rows_bytes, self.timeout_s)
-            else:
-                self._pg.allgather([self._all_rows], [self._fp_t]).wait()
+            rows.exchange(buffers, self.timeout_s)
         except RuntimeError as exc:
-            if self._host is not None:
-                self._host.withdraw()  # a peer that comes late must not pass this call
+            rows.withdraw()
             failed_after = time.monotonic() - started
             passed = None if self._last_passed is None else self._last_passed.tolist()
             where = Where(self._me, world, self._store, self._key, self.timeout_s, passed)
             head = fp[:FINGERPRINT_LEN].tolist()
             raise timeout_report(where, head, exc, arrived, failed_after) from exc
-        mine = self._head_bytes
-        if all(head == mine for head in self._heads_bytes):  # every rank's call is mine
+        if buffers.all_heads_equal_own():  # every rank's call is mine
             self._last_passed = fp[:FINGERPRINT_LEN]
             return
-        calls = [decode(r, self._heads[r].tolist()) for r in range(world)]
-        table = "\n".join(f"  {c}" for c in calls)
-        raise CollectiveMismatch(
-            f"ranks disagree on collective #{calls[self._me].seq} (this is rank {self._me}):\n"
-            f"{table}\nEvery rank must make the same collectives in the same order; look for a "
-            "branch\nthat depends on the rank's data (which dataset, task or split it drew).",
-            calls,
-        )
+        raise mismatch_report(self._me, [h.tolist() for h in buffers.gathered_heads])
 
     def _join(self) -> int:
-        """Size the buffer that receives every rank's row, once the group exists."""
+        """Size the buffer that receives every rank's row and pick the exchange path, once
+        the group exists."""
         self._pg = self._check_group or dist.distributed_c10d._get_default_group()
         world = self._world = dist.get_world_size(self._check_group)
         self._me = dist.get_rank(self._check_group)
-        self._all = array("q", bytes(8 * _ROW * world))
-        self._all_t = torch.frombuffer(self._all, dtype=torch.int64)
-        # one view per rank: gloo's list all-gather measured faster than all_gather_single
-        self._all_rows = list(self._all_t.view(world, _ROW).unbind(0))
-        rows = np.frombuffer(self._all, dtype=np.int64).reshape(world, _ROW)
-        self._heads = rows[:, :FINGERPRINT_LEN]  # views: they see each exchange's result
-        self._carried_rows = rows[:, FINGERPRINT_LEN:].view(np.uint8)
-        row_bytes = memoryview(self._all).cast("B")  # each rank's fingerprint, as bytes
-        self._heads_bytes = [
-            row_bytes[r * _ROW * 8 : (r * _ROW + FINGERPRINT_LEN) * 8] for r in range(world)
-        ]
-        self._rows_bytes = [row_bytes[r * _ROW * 8 : (r + 1) * _ROW * 8] for r in range(world)]
-        self._typed_rows.clear()
-        if self._host is not None:
-            self._host.close()
-        self._host = HostExchange.connect(self._check_group, _ROW * 8, wanted=self._want_host)
+        self._buffers.resize(world)
+        if self._rows is not None:
+            self._rows.close()
+        self._rows = connect(self._check_group, self._pg, host_exchange=self._want_host)
         return world
 
     def _carried(self, tensor: torch.Tensor, code: int) -> bool:
@@ -204,11 +158,7 @@ class CollectiveGuard:
         """Reduce every rank's carried copy of ``tensor`` (whose numpy view is ``values``) into
         it, in rank order: element-wise ops, so every rank does the same arithmetic and gets
         the same bits."""
-        key = (values.dtype, values.nbytes)
-        copies = self._typed_rows.get(key)
-        if copies is None:  # each rank's carried bytes, as this dtype: views, made once
-            typed = self._carried_rows[:, : values.nbytes].view(values.dtype)
-            copies = self._typed_rows[key] = list(typed)
+        copies = self._buffers.typed_carries(values.dtype, values.nbytes)
         reduce_in_rank_order(copies, values, tensor, code)
 
     def _static_part(
@@ -261,11 +211,9 @@ class CollectiveGuard:
     def data_group(self, *tensors: torch.Tensor) -> Any:
         """Where a guarded call's data goes once the check has passed: the guard's own gloo
         group (same ranks as ``group``, timeout ``timeout_s``) when every tensor is on the CPU,
-        else ``group``. Right after the check, the guard's group is ready to run the next
-        collective, where switching to another group costs a wake-up: measured here,
-        interleaved, a 1 MiB all-reduce after the check took x0.96-1.12 a bare one in the same
-        group and x1.42-2.03 in another. Collectives made outside the guard stay in ``group``,
-        so they never pair with a guarded call."""
+        else ``group``. Why: right after the check, the guard's group is ready to run the next
+        collective, where switching to another group costs a wake-up. Collectives made
+        outside the guard stay in ``group``, so they never pair with a guarded call."""
         if self._check_group is not None and all(t.is_cpu for t in tensors):
             return self._check_group
         return self.group

@@ -2,10 +2,9 @@
 rank of a group runs on one host. `refimpl.guard.CollectiveGuard` checks each call with it.
 
 Why not a gloo all-gather, as the guard did before: a gloo collective goes through the
-process group's work queue and gloo's threads, and on 2 CPU cores the smallest took about
-400 us; a datagram to each peer and a ``recv``, in the calling thread, took 12 us (measured
-interleaved in one job, 2 ranks). In ``python -m refimpl.bench guard`` a guarded 1 MiB
-all-reduce went from x1.4-1.5 a bare one (gloo check) to x0.98-1.08 (sockets).
+process group's work queue and gloo's threads, where a datagram to each peer and a ``recv``
+happen in the calling thread; ``python -m refimpl.bench guard`` times a guarded all-reduce
+with each (chapter 7 shows the numbers).
 
 Each rank binds a socket in Linux's abstract namespace under a random name (nothing on disk
 to clean up; the kernel drops the name when the last descriptor closes, so a dead rank's

@@ -1,5 +1,6 @@
-"""What `refimpl.guard.CollectiveGuard` raises: `CollectiveMismatch`, and the report for an
-exchange that failed (a rank that never came, left, or gave up), built only on that path."""
+"""What `refimpl.guard`'s guards raise: `CollectiveMismatch` for calls that differ, and the
+report for an exchange that failed (a rank that never came, left, or gave up), built only on
+that path."""
 
 from __future__ import annotations
 
@@ -23,6 +24,19 @@ class CollectiveMismatch(RuntimeError):
 
     def __reduce__(self) -> tuple[Any, ...]:  # survive pickling back to the launcher
         return (type(self), (str(self), self.calls))
+
+
+def mismatch_report(me: int, heads: Sequence[list[int]]) -> CollectiveMismatch:
+    """The error for fingerprints that differ (rank r's at ``heads[r]``), seen from rank
+    ``me``: every rank's call, one line each."""
+    calls = [decode(r, head) for r, head in enumerate(heads)]
+    table = "\n".join(f"  {c}" for c in calls)
+    return CollectiveMismatch(
+        f"ranks disagree on collective #{calls[me].seq} (this is rank {me}):\n"
+        f"{table}\nEvery rank must make the same collectives in the same order; look for a "
+        "branch\nthat depends on the rank's data (which dataset, task or split it drew).",
+        calls,
+    )
 
 
 @dataclass(frozen=True)

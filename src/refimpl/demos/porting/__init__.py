@@ -92,17 +92,31 @@ def prepare_data(data_dir: str | os.PathLike[str]) -> dict[str, int]:
     return {"vocab_size": len(chars), "train": n, "val": len(ids) - n}
 
 
-def script_command(name: str, data_dir: str | os.PathLike[str], *, nproc: int = 2,
-                   max_restarts: int = 2, step_sleep: float = 0.05) -> list[str]:  # fmt: skip
+def script_command(
+    name: str,
+    data_dir: str | os.PathLike[str],
+    *,
+    nproc: int = 2,
+    max_restarts: int = 2,
+    step_sleep: float = 0.05,
+) -> list[str]:
     """``torchrun --standalone ... SCRIPT --out_dir={out} --data_dir=DATA ...``, as
     `refimpl.chaos` takes it: each run writes under its own ``{out}``, logs the batch each
     rank trains to ``{out}/draws.rankR``, and sleeps ``step_sleep`` a step (time for a kill
     to land at the line it was aimed at)."""
     torchrun = Path(sys.executable).with_name("torchrun")
     head = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    return [*head, "--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-            str(SCRIPTS[name]), "--out_dir={out}", f"--data_dir={data_dir}",
-            f"--step_sleep={step_sleep}", "--draws_log={out}/draws"]  # fmt: skip
+    return [
+        *head,
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}",
+        str(SCRIPTS[name]),
+        "--out_dir={out}",
+        f"--data_dir={data_dir}",
+        f"--step_sleep={step_sleep}",
+        "--draws_log={out}/draws",
+    ]
 
 
 KILL_ON = r"^iter 6: loss"
@@ -129,10 +143,17 @@ def chaos_scripts(
     rows = {}
     for name in names:
         env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if name == "original" else {}
-        rows[name] = run_chaos(script_command(name, data_dir), kill_on=KILL_ON, save_on=SAVE_ON,
-                               compare="final.pt", resume_on=r"^Resuming training",
-                               scenarios=scenarios, timeout_s=timeout_s,
-                               work=Path(work) / name, env=env)  # fmt: skip
+        rows[name] = run_chaos(
+            script_command(name, data_dir),
+            kill_on=KILL_ON,
+            save_on=SAVE_ON,
+            compare="final.pt",
+            resume_on=r"^Resuming training",
+            scenarios=scenarios,
+            timeout_s=timeout_s,
+            work=Path(work) / name,
+            env=env,
+        )
     return rows
 
 
@@ -159,8 +180,9 @@ def _read_draws(path: Path) -> list[tuple[int, str]]:
     return out
 
 
-def draws_after_resume(run_dir: str | os.PathLike[str], reference_dir: str | os.PathLike[str],
-                       nproc: int = 2) -> list[Draws]:  # fmt: skip
+def draws_after_resume(
+    run_dir: str | os.PathLike[str], reference_dir: str | os.PathLike[str], nproc: int = 2
+) -> list[Draws]:
     """Compare each rank's ``draws.rankR`` log after the last resume with the reference's."""
     report = []
     for rank in range(nproc):
@@ -177,8 +199,9 @@ def draws_after_resume(run_dir: str | os.PathLike[str], reference_dir: str | os.
     return report
 
 
-def differing_tensors(run_dir: str | os.PathLike[str], reference_dir: str | os.PathLike[str],
-                      name: str = "final.pt") -> tuple[int, int]:  # fmt: skip
+def differing_tensors(
+    run_dir: str | os.PathLike[str], reference_dir: str | os.PathLike[str], name: str = "final.pt"
+) -> tuple[int, int]:
     """(tensors that differ, tensors in all) between two runs' ``name`` (weights-only)."""
     ref, got = load_flat(Path(reference_dir) / name), load_flat(Path(run_dir) / name)
     tensors = [k for k, v in ref.items() if isinstance(v, torch.Tensor)]
@@ -197,8 +220,16 @@ CAPTURE_VARIANTS = {
 """The ways `rng_capture_points` saves and restores the RNG, with how the chapter names them."""
 
 
-def _loop(rank: int, start: int, stop: int, at: int | None, variant: str, ckpt: str,
-          model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[list[float]]:  # fmt: skip
+def _loop(
+    rank: int,
+    start: int,
+    stop: int,
+    at: int | None,
+    variant: str,
+    ckpt: str,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+) -> list[list[float]]:
     """Iterations ``start..stop-1`` of the script's loop: rank 0 evaluates every 4 (random
     batches), then each rank draws its batch offsets and dropout's numbers; a checkpoint is
     written at iteration ``at``. Returns each iteration's draws."""
@@ -261,10 +292,18 @@ def rng_capture_points(iters: int = 10, at: int = 4) -> list[dict[str, Any]]:
         ranks = spawn(capture_point_worker, 2, tmp, iters, at, timeout_s=60)
     rows = []
     for variant, label in CAPTURE_VARIANTS.items():
-        same = [sum(a == b for a, b in zip(r[variant], r["reference"][at:], strict=True))
-                for r in ranks]  # fmt: skip
-        rows.append({"variant": variant, "how": label, "iterations": iters - at,
-                     "rank0": same[0], "rank1": same[1]})  # fmt: skip
+        same = [
+            sum(a == b for a, b in zip(r[variant], r["reference"][at:], strict=True)) for r in ranks
+        ]
+        rows.append(
+            {
+                "variant": variant,
+                "how": label,
+                "iterations": iters - at,
+                "rank0": same[0],
+                "rank1": same[1],
+            }
+        )
     return rows
 
 
@@ -295,10 +334,18 @@ def torn_save(kind: str, target: str | os.PathLike[str], limit_bytes: int) -> di
     SIGKILL at that byte. Returns how the child ended and what a restart can load."""
     target = Path(target)
     cmd = [sys.executable, "-c", _TORN_CHILD, kind, str(target), str(target), str(limit_bytes)]
-    child = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})  # fmt: skip
-    ended = (f"killed by signal {-child.returncode}" if child.returncode < 0
-             else f"exit code {child.returncode}")  # fmt: skip
+    child = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    ended = (
+        f"killed by signal {-child.returncode}"
+        if child.returncode < 0
+        else f"exit code {child.returncode}"
+    )
     result: dict[str, Any] = {"child": ended}
     if kind == "original":
         result["bytes"] = target.stat().st_size
@@ -320,8 +367,9 @@ def script_diff(context: int = 1) -> tuple[list[str], int, int]:
     """The port as unified-diff hunks of ``train_gpt.py`` to ``train_gpt_refimpl.py``, and
     the lines added and removed."""
     a, b = (SCRIPTS[n].read_text().splitlines() for n in ("original", "port"))
-    lines = list(difflib.unified_diff(a, b, "train_gpt.py", "train_gpt_refimpl.py", n=context,
-                                      lineterm=""))  # fmt: skip
+    lines = list(
+        difflib.unified_diff(a, b, "train_gpt.py", "train_gpt_refimpl.py", n=context, lineterm="")
+    )
     added = sum(ln.startswith("+") and not ln.startswith("+++") for ln in lines)
     removed = sum(ln.startswith("-") and not ln.startswith("---") for ln in lines)
     hunks: list[str] = []

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from _sharded_models import fresh, trained
+from helpers.sharded_models import fresh, trained
 
 from refimpl.checkpoint import safe_load
 from refimpl.demos.sharded import full_state, max_abs_diff

@@ -5,8 +5,8 @@ error under each debug level, and ``Join`` for uneven inputs."""
 
 from __future__ import annotations
 
-import _ddp_workers
 import pytest
+from workers import ddp as ddp_workers
 
 from refimpl.demos.ddp_details import (
     accumulation_matches_global_batch,
@@ -31,7 +31,7 @@ def test_buffers_at_construction_and_the_deprecated_flag() -> None:
 
 @pytest.mark.slow
 def test_forward_sync_buffers_follows_ddp_and_plain_miniddp_drifts() -> None:
-    for r in spawn(_ddp_workers.buffer_parity, 2, timeout_s=60):
+    for r in spawn(ddp_workers.buffer_parity, 2, timeout_s=60):
         assert r == {"sync equals DDP": True, "plain MiniDDP differs across ranks": True}
     r = spawn(buffer_drift, 2, 10, timeout_s=60)[0]
     assert r["MiniDDP(model, forward_sync_buffers=True)"] == r["DDP(model)"]

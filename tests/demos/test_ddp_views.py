@@ -34,8 +34,11 @@ def test_hook_trace_figure_stacks_steps_with_a_bucket_legend_and_10_pt_text() ->
         top, bottom = fig.axes
         assert top.get_position().y0 > bottom.get_position().y1  # stacked, not side by side
         assert [t.get_text() for t in bottom.get_yticklabels()] == [
-            "layer 0", "layer 2", "all-reduce 0", "all-reduce 1"
-        ]  # fmt: skip
+            "layer 0",
+            "layer 2",
+            "all-reduce 0",
+            "all-reduce 1",
+        ]
         legend = fig.legends[0]
         entries = [t.get_text() for t in legend.get_texts()]
         assert entries[:2] == ["gradient ready, bucket 0", "gradient ready, bucket 1"]

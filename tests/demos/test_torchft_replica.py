@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _torchft_helpers import replicas_running
+from helpers.torchft import replicas_running
 
 from refimpl.demos.torchft_job import run_ft_job
 from refimpl.demos.torchft_replica import parse_args

@@ -31,8 +31,9 @@ def test_late_views_fault_the_gradients_in_again_on_every_step() -> None:
     pages = 20 * (768 * 768 + 768) * 4 // 4096  # 11,535 pages of gradients
     # Fresh interpreters (start_method="spawn"), not forks of the launcher's fork server,
     # whose heap differs with what the test session imported before.
-    rows = spawn(profile_step, 2, (768,) * 21, 16, 25.0, 3, 2, timeout_s=170,
-                 start_method="spawn")[0]  # fmt: skip
+    rows = spawn(profile_step, 2, (768,) * 21, 16, 25.0, 3, 2, timeout_s=170, start_method="spawn")[
+        0
+    ]
     faults = {version: row["page faults"] for version, row in rows.items()}
     late = [faults["MiniDDP before"], faults["DDP()"]]  # DDP(): copied-back .grad, fresh too
     fixed = [faults["MiniDDP"], faults["DDP(view)"]]  # each gradient freed in its hook

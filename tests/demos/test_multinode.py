@@ -25,8 +25,20 @@ from refimpl.demos.multinode import (
 )
 from refimpl.demos.train import run_train, same_weights
 
-ARGS = ["--steps", "8", "--save-every", "3", "--samples", "64", "--seed", "3",
-        "--ckpt-dir", "ckpt", "--final-weights", "w.pt"]  # fmt: skip
+ARGS = [
+    "--steps",
+    "8",
+    "--save-every",
+    "3",
+    "--samples",
+    "64",
+    "--seed",
+    "3",
+    "--ckpt-dir",
+    "ckpt",
+    "--final-weights",
+    "w.pt",
+]
 
 
 @pytest.mark.timeout(10)
@@ -69,8 +81,10 @@ def test_rank0_attempts_reads_world_and_resume_step_and_skips_a_start_that_never
         "[rank0] start: world 1, restart 2, device cpu",
         "[rank0] resumed from step_3",
     ]
-    assert rank0_attempts(lines) == [{"world": 2, "resumed_from": 0},
-                                     {"world": 1, "resumed_from": 3}]  # fmt: skip
+    assert rank0_attempts(lines) == [
+        {"world": 2, "resumed_from": 0},
+        {"world": 1, "resumed_from": 3},
+    ]
 
 
 @pytest.mark.timeout(10)
@@ -84,15 +98,23 @@ def test_trained_once_keeps_the_last_attempt_of_each_step_and_counts_padding_apa
     # back to world 2 after step 5, resumed from it: 7, 8 | 9 and a padding repeat of 0
     (tmp_path / "s.rank0").write_text((tmp_path / "s.rank0").read_text() + "6 0 7\n7 0 9\n8 1 3\n")
     (tmp_path / "s.rank1").write_text((tmp_path / "s.rank1").read_text() + "6 0 8\n7 0 0\n8 1 5\n")
-    attempts = [{"world": 2, "resumed_from": 0}, {"world": 1, "resumed_from": 2},
-                {"world": 2, "resumed_from": 5}]  # fmt: skip
+    attempts = [
+        {"world": 2, "resumed_from": 0},
+        {"world": 1, "resumed_from": 2},
+        {"world": 2, "resumed_from": 5},
+    ]
     got = trained_once(tmp_path / "s", attempts, samples=10)
     assert got["ranks"] == {1: 2, 2: 2, 3: 1, 4: 1, 5: 1, 6: 2, 7: 2, 8: 2}
     assert got["epochs"][0] == Counter(range(10)) and got["padding"] == {0: 1, 1: 0}
     assert got["epochs"][1] == Counter([3, 5])
     # the negative control: counting every line, the lost step's samples come twice
-    flat = Counter(int(i) for p in tmp_path.glob("s.rank*") for ln in p.read_text().splitlines()
-                   if ln.split()[1] == "0" for i in ln.split()[2:])  # fmt: skip
+    flat = Counter(
+        int(i)
+        for p in tmp_path.glob("s.rank*")
+        for ln in p.read_text().splitlines()
+        if ln.split()[1] == "0"
+        for i in ln.split()[2:]
+    )
     assert flat[4] == 2 and flat[5] == 2
 
 
@@ -104,8 +126,9 @@ def test_a_fixed_two_node_job_whose_worker_dies_restarts_both_nodes_bit_identica
     (tmp_path / "ref").mkdir()
     ref = run_train(ARGS, cwd=tmp_path / "ref", timeout_s=100)  # --standalone, 2 ranks
     assert ref.returncode == 0, ref.stderr[-2000:]
-    run = fixed_restart(tmp_path / "two", [*ARGS, "--fail-at-step", "5", "--fail-rank", "1"],
-                        timeout_s=100)  # fmt: skip
+    run = fixed_restart(
+        tmp_path / "two", [*ARGS, "--fail-at-step", "5", "--fail-rank", "1"], timeout_s=100
+    )
     assert run["exit"] == [0, 0], run["log"]
     assert run["attempts"] == [{"world": 2, "resumed_from": 0}, {"world": 2, "resumed_from": 3}]
     # both nodes started their worker again: the failed one spends a restart; the other one
@@ -141,17 +164,30 @@ def test_three_nodes_losing_the_shared_store_host_hand_a_survivor_the_dead_addre
     # torch 2.13's next_rendezvous rebuilds an agent's cached store address only on its first
     # rendezvous or when it becomes rank 0 without a server: node a (rank 2, then rank 1)
     # keeps node b's. With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 every round publishes afresh.
-    args = [*ARGS, "--steps", "10", "--save-every", "2", "--samples", "96",
-            "--step-sleep", "0.25", "--pg-timeout", "20"]  # fmt: skip
-    shared = lose_store_host(tmp_path / "shared", args, share_store=True, kill_after_step=3,
-                             timeout_s=120)  # fmt: skip
+    args = [
+        *ARGS,
+        "--steps",
+        "10",
+        "--save-every",
+        "2",
+        "--samples",
+        "96",
+        "--step-sleep",
+        "0.25",
+        "--pg-timeout",
+        "20",
+    ]
+    shared = lose_store_host(
+        tmp_path / "shared", args, share_store=True, kill_after_step=3, timeout_s=120
+    )
     assert "error" not in shared, shared["log"]
     assert len(set(shared["before"].values())) == 1  # one store for the first round: b's
     assert shared["after"]["a"] == shared["before"]["b"], shared
     assert shared["after"]["c"] != shared["before"]["b"], shared
     assert shared["listening"] == {"a": False, "c": True}, shared
-    fresh = lose_store_host(tmp_path / "fresh", args, share_store=False, kill_after_step=3,
-                            timeout_s=120)  # fmt: skip
+    fresh = lose_store_host(
+        tmp_path / "fresh", args, share_store=False, kill_after_step=3, timeout_s=120
+    )
     assert "error" not in fresh, fresh["log"]
     assert fresh["after"]["a"] == fresh["after"]["c"] != fresh["before"]["b"], fresh
     assert fresh["listening"] == {"a": True, "c": True}, fresh

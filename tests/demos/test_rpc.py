@@ -9,7 +9,7 @@ from pathlib import Path
 from refimpl.demos.rpc import late_shutdown, rpc_plumbing, rpc_tour
 from refimpl.launch import spawn
 
-PAGE = Path(__file__).resolve().parent.parent / "book" / "appendix_rpc.md"
+PAGE = Path(__file__).resolve().parents[2] / "book" / "appendix_rpc.md"
 
 
 def _shown(n: int) -> list[str]:

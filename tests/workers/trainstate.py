@@ -34,9 +34,14 @@ def capture_then_draw(ckpt_dir: str, step: int) -> dict[str, Any]:
     model, opt = tiny_model()
     torch.manual_seed(100 + rank)
     torch.rand(5)  # somewhere inside the stream, not at its seed
-    state = capture_every_rank(model, opt, sampler_state={"seed": 0, "epoch": 1, "position": 8},
-                               epoch=1, step=step,
-                               extra={"best_val_loss": 1.5, "config": {"lr": 0.1}})  # fmt: skip
+    state = capture_every_rank(
+        model,
+        opt,
+        sampler_state={"seed": 0, "epoch": 1, "position": 8},
+        epoch=1,
+        step=step,
+        extra={"best_val_loss": 1.5, "config": {"lr": 0.1}},
+    )
     after = torch.rand(4).tolist()  # what this rank draws right after the capture
     if rank == 0:
         assert state is not None
@@ -44,8 +49,11 @@ def capture_then_draw(ckpt_dir: str, step: int) -> dict[str, Any]:
     dist.barrier()
     summary = None
     if state is not None:
-        summary = {"keys": sorted(state), "world_size": state["world_size"],
-                   "rngs": len(state["rng"])}  # fmt: skip
+        summary = {
+            "keys": sorted(state),
+            "world_size": state["world_size"],
+            "rngs": len(state["rng"]),
+        }
     return {"after": after, "state": summary}
 
 
@@ -94,14 +102,21 @@ def resume_from_own_dir(dirs: list[str]) -> Any:
 def train_files_load_from_own_dir(dirs: list[str]) -> Any:
     """`refimpl.train`'s loader, each rank pointed at ``dirs[rank]``: what it raises."""
     model, opt = tiny_model()
-    sampler = ResumableSampler(16, batch_size=2, rank=dist.get_rank(),
-                               world_size=dist.get_world_size())  # fmt: skip
-    args = argparse.Namespace(ckpt_dir=dirs[dist.get_rank()], no_restore=[],
-                              lr_schedule="constant", warmup_steps=0, steps=8)  # fmt: skip
+    sampler = ResumableSampler(
+        16, batch_size=2, rank=dist.get_rank(), world_size=dist.get_world_size()
+    )
+    args = argparse.Namespace(
+        ckpt_dir=dirs[dist.get_rank()],
+        no_restore=[],
+        lr_schedule="constant",
+        warmup_steps=0,
+        steps=8,
+    )
     sched = make_scheduler(opt, "constant", 0, 8)
     try:
-        step = _files.load(args, model, opt, sched, sampler, torch.device("cpu"), print,
-                                 lambda d, why: None)  # fmt: skip
+        step = _files.load(
+            args, model, opt, sched, sampler, torch.device("cpu"), print, lambda d, why: None
+        )
     except CheckpointMismatch as exc:
         return {"seen": exc.seen, "message": str(exc)}
     return step

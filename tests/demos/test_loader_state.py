@@ -41,17 +41,28 @@ def test_loader_with_workers_resumes_where_training_stopped(save: str) -> None:
 
 def test_loader_saving_the_sampler_count_loses_prefetched_batches() -> None:
     r = loader_stop_resume(
-        TensorDataset(torch.arange(46)), batch_size=3, rank=0, world_size=2, stop_after=3,
-        save="sampler_count", seed=1,
-    )  # fmt: skip
+        TensorDataset(torch.arange(46)),
+        batch_size=3,
+        rank=0,
+        world_size=2,
+        stop_after=3,
+        save="sampler_count",
+        seed=1,
+    )
     assert r["rest"] == r["full"][7:] and len(r["full"]) == 8
 
 
 def test_without_workers_the_sampler_count_is_the_trained_count() -> None:
     r = loader_stop_resume(
-        TensorDataset(torch.arange(46)), batch_size=3, rank=0, world_size=2, stop_after=3,
-        save="sampler_count", seed=1, num_workers=0,
-    )  # fmt: skip
+        TensorDataset(torch.arange(46)),
+        batch_size=3,
+        rank=0,
+        world_size=2,
+        stop_after=3,
+        save="sampler_count",
+        seed=1,
+        num_workers=0,
+    )
     assert r["saved"]["position"] == 18 and r["first"] + r["rest"] == r["full"]
 
 

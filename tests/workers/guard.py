@@ -12,8 +12,22 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refimpl.guard import CollectiveGuard, CollectiveMismatch
+from refimpl.guard import CollectiveGuard, CollectiveMismatch, ReferenceGuard
 from refimpl.metrics import MAX_KEY_BYTES, sync_metrics
+
+
+def _call(guard: CollectiveGuard | ReferenceGuard, op: str, name: str, t: torch.Tensor) -> None:
+    """One guarded call: ``op`` is a guard method, or ``all_reduce_<op>`` for another reduce op."""
+    if op == "all_reduce":
+        guard.all_reduce(t, name=name)
+    elif op.startswith("all_reduce_"):  # all_reduce_max, all_reduce_band, ...
+        guard.all_reduce(t, name=name, op=getattr(dist.ReduceOp, op[11:].upper()))
+    elif op == "broadcast":
+        guard.broadcast(t, 0, name=name)
+    elif op == "all_gather":
+        guard.all_gather([torch.empty_like(t) for _ in range(dist.get_world_size())], t, name=name)
+    elif op == "barrier":
+        guard.barrier(name=name)
 
 
 def guarded_calls(plan: list[list[tuple[str, str, list[int], str]]]) -> dict[str, Any]:
@@ -24,19 +38,7 @@ def guarded_calls(plan: list[list[tuple[str, str, list[int], str]]]) -> dict[str
     done = 0
     try:
         for op, name, shape, dtype in plan[rank]:
-            t = torch.ones(shape, dtype=getattr(torch, dtype))
-            if op == "all_reduce":
-                guard.all_reduce(t, name=name)
-            elif op.startswith("all_reduce_"):  # all_reduce_max, all_reduce_band, ...
-                guard.all_reduce(t, name=name, op=getattr(dist.ReduceOp, op[11:].upper()))
-            elif op == "broadcast":
-                guard.broadcast(t, 0, name=name)
-            elif op == "all_gather":
-                guard.all_gather(
-                    [torch.empty_like(t) for _ in range(dist.get_world_size())], t, name=name
-                )
-            elif op == "barrier":
-                guard.barrier(name=name)
+            _call(guard, op, name, torch.ones(shape, dtype=getattr(torch, dtype)))
             done += 1
     except CollectiveMismatch as exc:
         return {
@@ -45,6 +47,31 @@ def guarded_calls(plan: list[list[tuple[str, str, list[int], str]]]) -> dict[str
             "calls": [str(c) if c else None for c in exc.calls],
         }
     return {"done": done, "error": None, "calls": []}
+
+
+def verdicts_of_each_guard(
+    cases: list[list[list[tuple[str, str, list[int], str]]]],
+) -> list[dict[str, str | None]]:
+    """For each case (rank r makes ``case[r]``), each guard's verdict: None when every call
+    passed, else the `CollectiveMismatch` message and its calls. The fast guard on each of its
+    exchange paths and the reference guard see the same calls, in the same order."""
+    guards = {
+        "fast": CollectiveGuard(timeout_s=10.0),
+        "fast_gloo": CollectiveGuard(timeout_s=10.0, host_exchange=False),
+        "reference": ReferenceGuard(timeout_s=10.0),
+    }
+    out = []
+    for case in cases:
+        verdicts: dict[str, str | None] = {}
+        for which, guard in guards.items():
+            try:
+                for op, name, shape, dtype in case[dist.get_rank()]:
+                    _call(guard, op, name, torch.ones(shape, dtype=getattr(torch, dtype)))
+                verdicts[which] = None
+            except CollectiveMismatch as exc:
+                verdicts[which] = f"{exc}\n{[str(c) for c in exc.calls]}"
+        out.append(verdicts)
+    return out
 
 
 def guard_switched_off_pairs_silently() -> float:

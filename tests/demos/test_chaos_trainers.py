@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _chaos_helpers import tagged_pids
+from helpers.chaos import tagged_pids
 
 from refimpl.chaos import SCENARIOS, format_table
 from refimpl.demos.chaos_runs import chaos_toy
@@ -25,10 +25,20 @@ from refimpl.demos.chaos_runs import chaos_toy
 def test_alone_it_prints_the_lines_the_kill_test_waits_for(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     run = subprocess.run(
-        [sys.executable, "-m", "refimpl.demos.chaos_trainers", "--variant", "ok",
-         "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=100, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "refimpl.demos.chaos_trainers",
+            "--variant",
+            "ok",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=env,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
     assert any(re.match(r"^step 6 loss", line) for line in lines), lines  # chaos_toy's kill_on
@@ -48,7 +58,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _front_door_command() -> str:
     """The one command the README and the book's intro print (the same line in both)."""
-    root = Path(__file__).parents[1]
+    root = Path(__file__).parents[2]
     found = [
         [ln for ln in (root / name).read_text().splitlines() if ln.startswith(_CHAOS_LINE)]
         for name in ("README.md", "book/intro.md")

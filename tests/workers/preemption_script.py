@@ -1,6 +1,6 @@
 """A training loop under `StopOnSigterm`, for tests/test_preemption.py to SIGTERM.
 
-``python _preemption_script.py CKPT_DIR [--no-guard] [--again]``: steps of about 0.3 s, each
+``python preemption_script.py CKPT_DIR [--no-guard] [--again]``: steps of about 0.3 s, each
 printing ``start N`` and ``done N``; a checkpoint every 1000 steps (so, in the test, only the
 one the signal asks for). With ``--no-guard`` the loop runs without `StopOnSigterm`: Python's
 default. With ``--again`` the process sends itself a second SIGTERM in the middle of the step

@@ -4,7 +4,8 @@ worker processes over a ``DistributedSampler``, ``setup_seed(42 + epoch)`` at th
 each epoch, and a resume (from ``OUT/ckpt.pth``) that skips the batches the epoch already
 trained.
 
-    torchrun --standalone --nproc-per-node=2 --max-restarts=2 tests/_chaos_minimind_style.py \\
+    torchrun --standalone --nproc-per-node=2 --max-restarts=2 \\
+        tests/workers/chaos_minimind_style.py \\
         --out OUT [--fixed]
 
 The per-epoch reseed overwrites the RNG state a resume restored: dropout after a mid-epoch

@@ -54,8 +54,13 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _run(name: str, out: Path, data: Path, max_iters: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The script in this process, as ``python SCRIPT --key=value ...`` (a world of one)."""
-    argv = [str(SCRIPTS[name]), f"--out_dir={out}", f"--data_dir={data}",
-            f"--max_iters={max_iters}", f"--draws_log={out}/draws"]  # fmt: skip
+    argv = [
+        str(SCRIPTS[name]),
+        f"--out_dir={out}",
+        f"--data_dir={data}",
+        f"--max_iters={max_iters}",
+        f"--draws_log={out}/draws",
+    ]
     monkeypatch.setattr(sys, "argv", argv)
     monkeypatch.delenv("RANK", raising=False)
     runpy.run_path(str(SCRIPTS[name]), run_name="__main__")
@@ -157,8 +162,17 @@ def test_draw_logs_are_read_from_the_last_start_and_torn_lines_skipped(tmp_path:
     ref.mkdir(), run.mkdir()
     (ref / "draws.rank0").write_text("".join(f"{i} {i:08x}\n" for i in range(6)))
     # started, killed after 4 (a torn last line), resumed at 2 and replaying from the start
-    lines = ["0 00000000", "1 00000001", "2 00000002", "3 00000003", "4 0000",
-             "2 00000000", "3 00000001", "4 00000004", "5 00000003"]  # fmt: skip
+    lines = [
+        "0 00000000",
+        "1 00000001",
+        "2 00000002",
+        "3 00000003",
+        "4 0000",
+        "2 00000000",
+        "3 00000001",
+        "4 00000004",
+        "5 00000003",
+    ]
     (run / "draws.rank0").write_text("\n".join(lines) + "\n")
     (d,) = draws_after_resume(run, ref, nproc=1)
     # 2, 3 and 5 differ, each the reference's batch of 2 iterations before; 4 happens to match
@@ -174,8 +188,14 @@ def test_the_diff_is_the_port_and_its_size_adds_up() -> None:
     body = "\n".join(hunks).splitlines()
     assert added == sum(ln.startswith("+") for ln in body) > 0
     assert removed == sum(ln.startswith("-") for ln in body) > 0
-    for name in ("capture_every_rank(", "resume_every_rank(", "RandomOffsets(",
-                 "save_checkpoint(", "init_from_env(", "StopOnSigterm("):  # fmt: skip
+    for name in (
+        "capture_every_rank(",
+        "resume_every_rank(",
+        "RandomOffsets(",
+        "save_checkpoint(",
+        "init_from_env(",
+        "StopOnSigterm(",
+    ):
         assert any(ln.startswith("+") and name in ln for ln in body), name
     assert "-                torch.save(checkpoint, ckpt_path)" in body
     assert added + removed < 100  # a port, not a rewrite

@@ -144,8 +144,11 @@ def state_round_trip(ckpt_dir: str) -> dict[str, Any]:
         fresh_run = training_state(target, rank, world)
         fresh_state = fresh_run["state"]
         step = load_sharded(Path(ckpt_dir) / kind, target, fresh_run["opt"], state=fresh_state)
-        loaded[kind] = {**_snapshot(fresh_state), "loaded_step": step,
-                        "restored": fresh_state["rng"].restored}  # fmt: skip
+        loaded[kind] = {
+            **_snapshot(fresh_state),
+            "loaded_step": step,
+            "restored": fresh_state["rng"].restored,
+        }
     return {"saved": saved, "loaded": loaded}
 
 

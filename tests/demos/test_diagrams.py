@@ -17,7 +17,7 @@ from matplotlib.patches import FancyBboxPatch
 
 from refimpl.demos import diagrams
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / diagrams.DEFAULT_OUT
 # Diagrams drawn but not yet in a chapter (none today); their files are still checked.
 NOT_PLACED_YET: set[str] = set()

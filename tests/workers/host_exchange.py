@@ -19,7 +19,8 @@ def guard_path(cut_off: int, wanted: list[bool]) -> tuple[str, str]:
     if rank == cut_off:
         host_exchange._reachable = lambda address: False  # as if on another host
     guard = CollectiveGuard(timeout_s=10.0, host_exchange=wanted[rank])
-    path = "host" if guard._host is not None else "gloo"
+    assert guard._rows is not None
+    path = guard._rows.name
     try:
         guard.all_reduce(torch.ones(2), name=f"metric/{rank}")
     except CollectiveMismatch:
@@ -31,11 +32,11 @@ def peer_leaves() -> tuple[str, str, float]:
     """Rank 1 closes its guard's socket (what its process's death does to it) and stays
     away; rank 0 calls: its error, the error of a second call, and how long the first took."""
     guard = CollectiveGuard(timeout_s=30.0)
-    assert guard._host is not None
+    assert guard._rows is not None and guard._rows.name == "host"
     if dist.get_rank() == 1:
         dist.barrier()
         time.sleep(0.3)  # rank 0 is waiting by now
-        guard._host.close()
+        guard._rows.close()
         dist.barrier()
         return "left", "", 0.0
     dist.barrier()
@@ -64,7 +65,7 @@ def peer_leaves_with_forked_workers() -> tuple[str, float]:
     default start method before Python 3.14), which lives on after rank 1 closes its guard's
     socket: rank 0's error and how long its call took."""
     guard = CollectiveGuard(timeout_s=30.0)
-    assert guard._host is not None
+    assert guard._rows is not None and guard._rows.name == "host"
     if dist.get_rank() == 1:
         loader = torch.utils.data.DataLoader(
             _Numbers(), num_workers=1, multiprocessing_context="fork", persistent_workers=True
@@ -73,7 +74,7 @@ def peer_leaves_with_forked_workers() -> tuple[str, float]:
         next(batches)  # the worker is running
         dist.barrier()
         time.sleep(0.3)
-        guard._host.close()
+        guard._rows.close()
         dist.barrier()  # the worker is still alive here: rank 0 has finished its call
         del batches, loader
         return "left", 0.0

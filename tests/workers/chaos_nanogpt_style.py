@@ -3,7 +3,8 @@ kill-test tests: it calls ``init_process_group`` itself when torchrun set ``RANK
 config, resumes by itself from ``OUT/ckpt.pt`` (``init_from = 'resume'``), draws each batch
 from the global RNG and saves the checkpoint from rank 0 only.
 
-    torchrun --standalone --nproc-per-node=2 --max-restarts=2 tests/_chaos_nanogpt_style.py \\
+    torchrun --standalone --nproc-per-node=2 --max-restarts=2 \\
+        tests/workers/chaos_nanogpt_style.py \\
         --out OUT [--dropout 0.0] [--batches sequential] [--ckpt-dtype float16] [--rng-save]
 
 Flags pick the variants the tests need: ``--ckpt-dtype float16`` keeps the checkpoint's weights

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _torchft_helpers import replicas_running
+from helpers.torchft import replicas_running
 
 from refimpl.demos.torchft_job import (
     final_weights,
