@@ -52,7 +52,14 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-def _run(name: str, out: Path, data: Path, max_iters: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def _run(
+    name: str,
+    out: Path,
+    data: Path,
+    max_iters: int,
+    monkeypatch: pytest.MonkeyPatch,
+    *more: str,
+) -> None:
     """The script in this process, as ``python SCRIPT --key=value ...`` (a world of one)."""
     argv = [
         str(SCRIPTS[name]),
@@ -60,6 +67,7 @@ def _run(name: str, out: Path, data: Path, max_iters: int, monkeypatch: pytest.M
         f"--data_dir={data}",
         f"--max_iters={max_iters}",
         f"--draws_log={out}/draws",
+        *more,
     ]
     monkeypatch.setattr(sys, "argv", argv)
     monkeypatch.delenv("RANK", raising=False)
@@ -83,6 +91,23 @@ def test_a_run_stopped_after_a_save_and_started_again(
     else:  # the seed's stream from its start: iterations 4.. train the batches of 0..
         assert (draws.differ, draws.replayed, draws.lag) == (5, 5, 4)
         assert differ == tensors == 16
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["original", "port"])
+def test_a_resume_builds_the_model_the_checkpoint_was_trained_with(
+    name: str, data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # nanoGPT's resume takes the model's shape from the checkpoint (a gpt2-xl fine-tune
+    # resumes whatever the command line says); the port reads it with load_latest(keys=...).
+    ref, stopped = tmp_path / "ref", tmp_path / "stopped"
+    _run(name, ref, data, 8, monkeypatch)
+    _run(name, stopped, data, 4, monkeypatch)
+    _run(name, stopped, data, 8, monkeypatch, "--n_layer=3")  # the shape in the step wins
+    (draws,) = draws_after_resume(stopped, ref, nproc=1)
+    assert draws.resumed_at == 4
+    differ, tensors = differing_tensors(stopped, ref)
+    assert tensors == 16 and (name == "original" or differ == 0)
 
 
 @pytest.mark.timeout(120)

@@ -25,7 +25,7 @@ import torch
 from torch.distributed import destroy_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from refimpl.checkpoint import save_checkpoint
+from refimpl.checkpoint import load_latest, save_checkpoint
 from refimpl.data import RandomOffsets
 from refimpl.demos.porting.model import GPT, GPTConfig
 from refimpl.launch import init_from_env
@@ -107,6 +107,10 @@ model_args: dict[str, Any] = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd,
                                   block_size=block_size, bias=bias, vocab_size=meta_vocab_size,
                                   dropout=dropout)  # fmt: skip
 ckpt_dir = os.path.join(out_dir, "ckpt")
+found = load_latest(ckpt_dir, keys=["model_args"]) if init_from == "resume" else None
+if found is not None:  # the model's shape from the newest step (nothing else is read)
+    for k in ["n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size"]:
+        model_args[k] = found[1]["model_args"][k]
 model = GPT(GPTConfig(**model_args))
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2))
 train_len = len(np.memmap(os.path.join(data_dir, "train.bin"), dtype=np.uint16, mode="r"))
