@@ -49,6 +49,7 @@ _SECONDS = {
     "notebooks/05_atomic_saves.ipynb": 27,
     "notebooks/12_training_that_doesnt_stop.ipynb": 25,
     "tests/demos/test_porting_traps.py": 25,
+    "tests/demos/test_porting_accel.py": 15,
     "notebooks/02_ddp_from_the_inside.ipynb": 21,
     "tests/test_sync.py": 20,
     "tests/test_special_files.py": 19,

@@ -62,3 +62,35 @@ def test_sampling_costs_scale_by_arithmetic() -> None:
     assert c.offsets_s_per_epoch == pytest.approx(c.offsets_s_per_batch * 1_000_000 / 12)
     with pytest.raises(ValueError, match="measured_n"):
         sampling_costs(10, measured_n=20)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_sigterm_to_one_rank_of_the_accelerate_port_saves_that_step_and_exits_0(
+    tmp_path: Path,
+) -> None:
+    import os
+    import re
+    import signal
+    import subprocess
+
+    from refimpl._processes import workers
+
+    cmd = [a.replace("{out}", str(tmp_path)) for a in accelerate_command("port", step_sleep=0.3)]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env["PYTHONUNBUFFERED"] = "1"  # each line as printed: the signal follows "step 3"
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    for line in proc.stdout:  # a preemption notice to rank 1 only, in the middle of the run
+        lines.append(line.rstrip("\n"))
+        if re.search(r"epoch 0 step 3 loss", line):
+            os.kill(workers(proc.pid, until=lambda found: 1 in found)[1], signal.SIGTERM)
+    out = "\n".join(lines)
+    assert proc.wait(timeout=120) == 0, out
+    last = max(int(m) for m in re.findall(r"epoch \d+ step (\d+) loss", out))
+    assert 3 <= last < 16, out  # stopped early: 2 epochs of 8 steps (64 samples, 2 x 4) end at 16
+    assert (tmp_path / "checkpoints" / f"step_{last:08d}").is_dir(), out  # that step, saved
+    assert not (tmp_path / "final.pt").exists(), out

@@ -8,7 +8,8 @@ Accelerate still prepares the model, the optimizer and the scheduler. The batche
 a `refimpl.data.ResumableSampler` (the loader is not prepared: the sampler already shards),
 and every ``--checkpointing-steps`` steps every rank captures its state and rank 0 saves it
 as a verified ``out/checkpoints/step_N``; every start resumes from the newest one that
-verifies. ``final.pt`` holds the final weights (what the kill test compares).
+verifies. SIGTERM saves the step in progress and exits 0. ``final.pt`` holds the final
+weights (what the kill test compares).
 
 ``--trace FILE`` (a diagnosis aid, not part of the style) appends one line per process and
 step: the step, a CRC of torch's global RNG state at the top of the step, the epoch (where
@@ -19,6 +20,7 @@ import argparse
 import os
 import time
 import zlib
+from contextlib import ExitStack
 
 import torch
 from accelerate import Accelerator
@@ -28,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 from refimpl.checkpoint import save_checkpoint
 from refimpl.data import ResumableSampler
 from refimpl.launch import init_from_env
+from refimpl.preemption import StopOnSigterm
 from refimpl.trainstate import capture_every_rank, resume_every_rank
 
 
@@ -87,6 +90,7 @@ def main() -> None:
     if resumed is not None:
         accelerator.print(f"Resumed from checkpoint: {checkpoints} at step {resumed.step}")
         overall_step, starting_epoch = resumed.step, resumed.epoch
+    preempt = ExitStack().enter_context(StopOnSigterm())  # SIGTERM: finish the step, save, exit 0
 
     for epoch in range(starting_epoch, args.epochs):
         model.train()
@@ -105,7 +109,8 @@ def main() -> None:
             optimizer.zero_grad()
             overall_step += 1
             accelerator.print(f"epoch {epoch} step {overall_step} loss {loss.item():.6f}")
-            if overall_step % args.checkpointing_steps == 0:
+            stop = preempt.should_stop()  # every rank: a signal to one stops all after this step
+            if overall_step % args.checkpointing_steps == 0 or stop:
                 state = capture_every_rank(
                     model,
                     optimizer,
@@ -117,6 +122,9 @@ def main() -> None:
                 if accelerator.is_main_process:
                     assert state is not None  # rank 0 holds what every rank captured
                     save_checkpoint(checkpoints, state, overall_step)
+            if stop:
+                accelerator.end_training()
+                return
             time.sleep(args.step_sleep)
 
     accelerator.wait_for_everyone()
