@@ -1,8 +1,8 @@
-"""refimpl.bench.torchft: the crossover of the waste model chapter 12 draws from the
+"""refimpl.bench.torchft: the crossover of the waste model chapter 13 draws from the
 benchmark. The benchmark itself is not run here: at 16 steps and one approach it took over
 four minutes on the 2-core machine (load about 11, the full benchmark beside it), every run
 starting processes that import torch and torchft; its parts run in tests/test_torchft_job.py
-and chapter 12."""
+and chapter 13."""
 
 from __future__ import annotations
 

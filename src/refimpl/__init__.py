@@ -23,7 +23,7 @@ One concept per module; each matches a chapter of the book:
 - `refimpl.chaos`: ``python -m refimpl.chaos``, the kill test for any trainer: kill it in
   several ways, restart, compare its output bit for bit with an untouched run (chapter 10)
 - `refimpl.trainstate`: every rank's state (RNG included) captured into one file checkpoint
-  and resumed collectively, the pieces an existing script needs to be ported (chapter 11)
+  and resumed collectively, the pieces an existing script needs to be ported (chapter 12)
 - `refimpl.bench`: the book's benchmarks,
   ``python -m refimpl.bench {allreduce,ddp,guard,paced,reshard,save,torchft} --out DIR``
 

@@ -1,4 +1,4 @@
-"""Chapter 12: refimpl checkpoints and data order for a torchft job.
+"""Chapter 13: refimpl checkpoints and data order for a torchft job.
 
 torchft {cite}`torchft` keeps a job stepping while a replica group is replaced, and heals the
 newcomer from a live peer; it does not survive the loss of *every* group (the whole job

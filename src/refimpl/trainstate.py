@@ -1,4 +1,4 @@
-"""Chapter 11: the whole state of every rank, captured into one file checkpoint and restored.
+"""Chapter 12: the whole state of every rank, captured into one file checkpoint and restored.
 
 A DDP job whose rank 0 writes the checkpoint has one problem `refimpl.state` cannot solve
 alone: the RNG streams live in every process (dropout masks differ by rank; a script that
@@ -87,7 +87,7 @@ def capture_every_rank(
     resumed run re-enters the loop at this point and re-runs what follows it, so the state
     must be the one *before* that work: an evaluation on rank 0 that draws random batches
     moves rank 0's RNG, and a state captured after it would, on resume, see that evaluation
-    run again from the moved stream and train with different dropout masks (chapter 11
+    run again from the moved stream and train with different dropout masks (chapter 12
     measures it). Pass the position of the batch this iteration will train
     (`refimpl.data.ResumableBatches` hands it out with the batch) as ``sampler_state``.
 

@@ -1,4 +1,4 @@
-"""refimpl.demos.porting: chapter 11's two nanoGPT-style scripts. Run alone and stopped after
+"""refimpl.demos.porting: chapter 12's two nanoGPT-style scripts. Run alone and stopped after
 a save, the original resumes onto other batches and ends elsewhere while the port ends bit
 for bit where an uninterrupted run does; the RNG table, the torn save, the draw logs and the
 diff the chapter prints say what they claim."""
@@ -146,7 +146,7 @@ def test_the_port_trains_the_random_offsets_stream_and_evaluation_draws_none_of_
 ) -> None:
     # Iteration k trains global batch k of RandomOffsets, whatever rank 0's evaluation reads
     # (it evaluates on train batches too: drawn from the counter, they would put rank 0 ahead
-    # of the other ranks at every evaluation; chapter 11's kill test caught that once).
+    # of the other ranks at every evaluation; chapter 12's kill test caught that once).
     _run("port", tmp_path / "port", data, 8, monkeypatch)
     train = np.fromfile(data / "train.bin", dtype=np.uint16).astype(np.int64)
     offsets = RandomOffsets(len(train) - 16, 4, seed=1337, rank=0, world_size=1)
@@ -238,7 +238,7 @@ def test_script_command_is_what_chaos_runs(tmp_path: Path) -> None:
 def test_chaos_scripts_runs_both_scripts_with_the_chapters_lines(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What chapter 11's kill test is given (the chapter runs it for real, on both scripts)."""
+    """What chapter 12's kill test is given (the chapter runs it for real, on both scripts)."""
     seen: list[dict[str, object]] = []
     monkeypatch.setattr(porting, "run_chaos", lambda cmd, **kw: seen.append({"cmd": cmd, **kw}))
     chaos_scripts(tmp_path / "data", tmp_path / "work", scenarios=["kill-rank1"])

@@ -1,7 +1,7 @@
 """refimpl.demos.porting.accel and .sampling: the Accelerate trace reading finds replayed
 batches and a moved RNG, the command and the diff are the chapter's, and the sampling costs
 scale by the arithmetic the chapter states. (The kill tests of train_accelerate.py and its
-port run in chapter 11, under nbval, with accelerate installed.)"""
+port run in chapter 12, under nbval, with accelerate installed.)"""
 
 from __future__ import annotations
 

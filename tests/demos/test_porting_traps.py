@@ -1,4 +1,4 @@
-"""refimpl.demos.porting.traps: chapter 11's MiniMind-style trainer writes, per trap, the
+"""refimpl.demos.porting.traps: chapter 12's MiniMind-style trainer writes, per trap, the
 checkpoint the chapter says it writes (fp16 weights, no scaler, a save half way through an
 accumulation window), and the fp16 round trip says what it claims. (The kill tests
 themselves run in the chapter, under nbval.)"""

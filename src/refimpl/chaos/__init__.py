@@ -66,7 +66,7 @@ temporary directory).
 The trainer must resume by itself (find its newest checkpoint at start) and be deterministic
 for a given seed (the reference run is compared with runs on the same machine), and it should
 draw from its RNG while training (dropout, random batches): a run that draws nothing cannot
-show that a resume forgot to restore the RNG streams (chapter 11).
+show that a resume forgot to restore the RNG streams (chapter 12).
 """
 
 from __future__ import annotations

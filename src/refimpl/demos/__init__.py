@@ -17,7 +17,7 @@ with the chapters that use them.
   `refimpl.demos.train`: chapter 10's runs of ``python -m refimpl.train``
 - `refimpl.demos.chaos_trainers`, `refimpl.demos.chaos_runs`, `refimpl.demos.restarts`:
   chapter 10's kill tests; `refimpl.demos.multinode`: its two-node and elastic runs on one
-  machine; `refimpl.demos.porting`: chapter 11's nanoGPT-style script, its
+  machine; `refimpl.demos.porting`: chapter 12's nanoGPT-style script, its
   port to refimpl, and the kill test on both
 - `refimpl.demos.faults`: the kill-the-saver harness behind chapter 5
   (``python -m refimpl.demos.faults --kills 500``); `refimpl.demos.io_faults`: its injected

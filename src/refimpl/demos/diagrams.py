@@ -397,7 +397,7 @@ def draw_collective_order() -> Figure:
 
 def draw_live_recovery() -> Figure:
     """torchft: one replica group dies, the others keep stepping, and its replacement copies
-    the weights from a live peer and rejoins (chapter 12)."""
+    the weights from a live peer and rejoins (chapter 13)."""
     fig, ax = _canvas(8.0)
     x0, per_step, h = 3.0, 0.52, 1.0
 
@@ -443,7 +443,7 @@ DIAGRAMS: tuple[Diagram, ...] = (
     Diagram("ch08_dcp_commit", 8, draw_dcp_commit),
     Diagram("ch09_async_staging", 9, draw_async_staging),
     Diagram("ch10_torchrun_restarts", 10, draw_torchrun_restarts),
-    Diagram("ch12_live_recovery", 12, draw_live_recovery),
+    Diagram("ch13_live_recovery", 13, draw_live_recovery),
 )
 
 DEFAULT_OUT = Path("book") / "figures" / "diagrams"

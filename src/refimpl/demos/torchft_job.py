@@ -1,4 +1,4 @@
-"""Chapter 12: a torchft job on one machine: a Lighthouse, G replica groups, kills, replacements.
+"""Chapter 13: a torchft job on one machine: a Lighthouse, G replica groups, kills, replacements.
 
 `run_ft_job` starts torchft's `LighthouseServer` in this process and G replica groups
 (`refimpl.demos.torchft_replica`, one gloo rank each) as subprocesses, supervises them as a

@@ -1,4 +1,4 @@
-"""Chapter 12: one torchft replica group (one rank, gloo) training the book's model.
+"""Chapter 13: one torchft replica group (one rank, gloo) training the book's model.
 
 Run by `refimpl.demos.torchft_job`, one process per group, never by hand::
 

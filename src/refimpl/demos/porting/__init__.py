@@ -1,4 +1,4 @@
-"""Chapter 11: port a nanoGPT-style script to refimpl, and kill-test both versions.
+"""Chapter 12: port a nanoGPT-style script to refimpl, and kill-test both versions.
 
 The two scripts are files a reader can open and diff: ``train_gpt.py`` (the original style:
 random offsets from an unsaved RNG, rank 0's ``torch.save`` of ``ckpt.pt`` in place) and
@@ -43,7 +43,7 @@ __all__ += ["prepare_data", "rng_capture_points", "script_command", "script_diff
 
 HERE = Path(__file__).resolve().parent
 SCRIPTS = {"original": HERE / "train_gpt.py", "port": HERE / "train_gpt_refimpl.py"}
-"""The two scripts chapter 11 compares, by the name it gives them."""
+"""The two scripts chapter 12 compares, by the name it gives them."""
 
 TEXT = """\
 Shall I compare thee to a summer's day?

@@ -1,4 +1,4 @@
-"""Chapter 11's Accelerate trainer: `refimpl.chaos` on ``train_accelerate.py`` (Hugging Face
+"""Chapter 12's Accelerate trainer: `refimpl.chaos` on ``train_accelerate.py`` (Hugging Face
 Accelerate's usual checkpointing style) and on its port, ``train_accelerate_refimpl.py``, and
 what each resumed run trained, read from their ``--trace`` logs.
 
@@ -26,7 +26,7 @@ __all__ += ["resume_evidence"]
 
 HERE = Path(__file__).resolve().parent
 ACCELERATE = {"as-is": HERE / "train_accelerate.py", "port": HERE / "train_accelerate_refimpl.py"}
-"""The Accelerate-style trainer and its port, by the name chapter 11 gives them."""
+"""The Accelerate-style trainer and its port, by the name chapter 12 gives them."""
 
 KILL_ON = r"^epoch 1 step 11 "
 """Where rank 1 is killed: rank 0's line after step 11 (saved at 5 and 10)."""

@@ -1,4 +1,4 @@
-"""A GPT in nanoGPT's shape, small enough for a CPU: the model both of chapter 11's scripts train.
+"""A GPT in nanoGPT's shape, small enough for a CPU: the model both of chapter 12's scripts train.
 
 The same modules as nanoGPT's ``model.py`` (token and position embeddings, pre-norm blocks of
 causal self-attention and an MLP, tied input and output embeddings, dropout in three places),

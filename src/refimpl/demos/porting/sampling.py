@@ -1,4 +1,4 @@
-"""Chapter 11: what each way of drawing nanoGPT's training offsets costs at OpenWebText's size.
+"""Chapter 12: what each way of drawing nanoGPT's training offsets costs at OpenWebText's size.
 
 A permutation of every offset (`refimpl.data.ResumableSampler`, without replacement) is built
 once per epoch and held: ``8 * n`` bytes of int64 for ``n`` offsets, and the time of

@@ -1,4 +1,4 @@
-"""train_accelerate.py: a trainer in Hugging Face Accelerate's usual style (chapter 11).
+"""train_accelerate.py: a trainer in Hugging Face Accelerate's usual style (chapter 12).
 
 Run it under torchrun (Accelerate reads torchrun's variables; gloo on CPU)::
 

@@ -1,4 +1,4 @@
-"""train_accelerate_refimpl.py: train_accelerate.py ported to refimpl (chapter 11).
+"""train_accelerate_refimpl.py: train_accelerate.py ported to refimpl (chapter 12).
 
 Run it under torchrun (Accelerate reads torchrun's variables; gloo on CPU)::
 

@@ -1,4 +1,4 @@
-"""train_gpt.py: a nanoGPT-style trainer, as such scripts are written (chapter 11's "before").
+"""train_gpt.py: a nanoGPT-style trainer, as such scripts are written (chapter 12's "before").
 
 Run it alone, or under torchrun (DDP on every rank, gloo on CPU)::
 
@@ -53,7 +53,7 @@ lr_decay_iters = 12
 min_lr = 1e-4
 backend = "gloo"
 step_sleep = 0.0  # for the kill test: time for a kill to land where it is aimed
-draws_log = ""  # for chapter 11's measurement: a digest of each rank's batch, each iteration
+draws_log = ""  # for chapter 12's measurement: a digest of each rank's batch, each iteration
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items()
                if not k.startswith("_") and isinstance(v, (int, float, bool, str))]  # fmt: skip
@@ -166,7 +166,7 @@ while True:
                 }
                 print(f"saving checkpoint to {out_dir}")
                 torch.save(checkpoint, ckpt_path)
-    if draws_log:  # for chapter 11's measurement: what this rank trains at this iteration
+    if draws_log:  # for chapter 12's measurement: what this rank trains at this iteration
         with open(f"{draws_log}.rank{ddp_rank}", "a") as log:
             log.write(f"{iter_num} {zlib.crc32(X.numpy().tobytes()):08x}\n")
     _, loss = train_model(X, Y)

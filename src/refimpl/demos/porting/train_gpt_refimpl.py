@@ -1,4 +1,4 @@
-"""train_gpt_refimpl.py: train_gpt.py ported to refimpl (chapter 11's "after").
+"""train_gpt_refimpl.py: train_gpt.py ported to refimpl (chapter 12's "after").
 
 Run it alone, or under torchrun (DDP on every rank, gloo on CPU)::
 
@@ -60,7 +60,7 @@ lr_decay_iters = 12
 min_lr = 1e-4
 backend = "gloo"
 step_sleep = 0.0  # for the kill test: time for a kill to land where it is aimed
-draws_log = ""  # for chapter 11's measurement: a digest of each rank's batch, each iteration
+draws_log = ""  # for chapter 12's measurement: a digest of each rank's batch, each iteration
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items()
                if not k.startswith("_") and isinstance(v, (int, float, bool, str))]  # fmt: skip
@@ -182,7 +182,7 @@ while True:
                 assert state is not None  # rank 0 holds what every rank captured
                 print(f"saving checkpoint to {out_dir}")
                 save_checkpoint(ckpt_dir, state, iter_num)
-    if draws_log:  # for chapter 11's measurement: what this rank trains at this iteration
+    if draws_log:  # for chapter 12's measurement: what this rank trains at this iteration
         with open(f"{draws_log}.rank{ddp_rank}", "a") as log:
             log.write(f"{iter_num} {zlib.crc32(X.numpy().tobytes()):08x}\n")
     _, loss = train_model(X, Y)

@@ -1,4 +1,4 @@
-"""train_mini.py: a trainer in MiniMind's style, with the five traps of chapter 11's second half.
+"""train_mini.py: a trainer in MiniMind's style, with the five traps of chapter 12's second half.
 
 Run it alone (one process; the traps are per process, DDP adds nothing to them)::
 

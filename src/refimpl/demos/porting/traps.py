@@ -1,4 +1,4 @@
-"""Chapter 11's five traps: `refimpl.chaos` on ``train_mini.py`` (a MiniMind-style trainer),
+"""Chapter 12's five traps: `refimpl.chaos` on ``train_mini.py`` (a MiniMind-style trainer),
 once with its exact resume and once per ``--trap``, each breaking one thing a resume needs.
 
 Every variant trains the same run when nothing kills it (the traps are all in what a
@@ -26,7 +26,7 @@ __all__ = ["MINI", "TRAPS", "chaos_traps", "first_line_after_resume", "fp16_roun
 __all__ += ["mini_command"]
 
 MINI = Path(__file__).resolve().parent / "train_mini.py"
-"""The MiniMind-style trainer chapter 11 kill-tests."""
+"""The MiniMind-style trainer chapter 12 kill-tests."""
 
 KILL_ON = r"^Epoch:\[2/2\]\(9/"
 """Where every run is killed: the line of epoch 2's batch 9 (0-based)."""
