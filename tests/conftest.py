@@ -18,10 +18,18 @@ correctness: refresh it when a file's time changes by much.
 
 from __future__ import annotations
 
+import json
+import os
+import resource
 import subprocess
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from xdist.remote import Producer
+from xdist.scheduler import LoadFileScheduling
+from xdist.workermanage import WorkerController
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,6 +86,15 @@ _SECONDS = {
 }
 
 
+# Files that mostly wait (for a timeout, a stall to be noticed, a restart's back-off) and use
+# little CPU: with three or more workers, the last worker takes only these, so it fills the
+# time the two cores would otherwise sit idle without a third CPU-heavy file competing with
+# the two that run (chapter 1's measured shapes and the elastic runs' heartbeats fail when
+# three heavy files share two cores). Chosen from ``REFIMPL_TEST_COST`` runs: CPU at most
+# about a third of the file's wall time.
+_LIGHT: frozenset[str] = frozenset()
+
+
 def expected_seconds(nodeid: str) -> int:
     """The time a test's file is expected to take, from its node id (``path::name``)."""
     return _SECONDS.get(nodeid.split("::", 1)[0], _DEFAULT)
@@ -86,6 +103,67 @@ def expected_seconds(nodeid: str) -> int:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # A stable sort: the tests (cells) of one file keep their order.
     items.sort(key=lambda item: -expected_seconds(item.nodeid))
+
+
+class _LightLaneScheduling(LoadFileScheduling):
+    """``--dist loadfile`` whose last worker takes only files listed in ``_LIGHT``.
+
+    The other workers take any file, in collection order (longest first); the last one takes
+    the first light file still queued, or waits (idle, not shut down) until the run ends.
+    """
+
+    def _light_lane(self, node: WorkerController) -> bool:
+        return self.numnodes > 2 and node.gateway.id == f"gw{self.numnodes - 1}"
+
+    def _assign_work_unit(self, node: WorkerController) -> None:
+        if self._light_lane(node):
+            scope = next((s for s in self.workqueue if s in _LIGHT), None)
+            if scope is None:
+                return
+            work_unit = self.workqueue.pop(scope)
+        else:
+            scope, work_unit = self.workqueue.popitem(last=False)
+        self.assigned_work.setdefault(node, {})[scope] = work_unit
+        collection = self.registered_collections[node]
+        node.send_runtest_some(
+            [collection.index(nodeid) for nodeid, done in work_unit.items() if not done]
+        )
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> LoadFileScheduling | None:
+    if config.getvalue("dist") != "loadfile":
+        return None
+    return _LightLaneScheduling(config, log)
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of every child it (or they, recursively) reaped."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """With ``REFIMPL_TEST_COST=FILE``, append each test's wall and CPU seconds to FILE.
+
+    One JSON line per test (``{"nodeid", "wall_s", "cpu_s"}``); CPU counts the worker and
+    every process it started and reaped (torchrun, its ranks, a notebook's kernel), which is
+    what ``_SECONDS`` and ``_LIGHT`` below are chosen from.
+    """
+    out = os.environ.get("REFIMPL_TEST_COST")
+    if not out:
+        yield
+        return
+    wall, cpu = time.monotonic(), _cpu_seconds()
+    yield
+    row = {
+        "nodeid": item.nodeid,
+        "wall_s": round(time.monotonic() - wall, 3),
+        "cpu_s": round(_cpu_seconds() - cpu, 3),
+    }
+    with open(out, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 def _git_status() -> set[str] | None:
