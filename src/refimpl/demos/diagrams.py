@@ -26,6 +26,7 @@ __all__ = [
     "Diagram",
     "draw_async_staging",
     "draw_atomic_save",
+    "draw_bucket_fill",
     "draw_collective_order",
     "draw_collectives",
     "draw_dcp_commit",
@@ -309,6 +310,40 @@ def draw_collectives() -> Figure:
     return fig
 
 
+def draw_bucket_fill() -> Figure:
+    """Gradients arrive last layer first and fill buckets up to the cap; each full bucket's
+    all-reduce is launched from the hook while backward goes on, and only the last one is
+    left after the last gradient: the tail (chapter 3)."""
+    fig, ax = _canvas(9.4)
+    lanes = {"gradients": 6.6, "buckets": 4.0, "all-reduce": 1.6}
+    for name, y in lanes.items():
+        _label(ax, 0.15, y + 0.55, name, ha="left", weight="bold")
+    h, w, gap, x0 = 1.1, 1.7, 0.1, 3.2
+    fills = [SKY, SKY, ORANGE, ORANGE, PURPLE]
+    xs = [x0 + i * (w + gap) for i in range(5)]
+    for i, (x, fill) in enumerate(zip(xs, fills, strict=True)):
+        _box(ax, x, lanes["gradients"], w, h, f"L{5 - i}", fill)
+    _label(ax, x0, lanes["gradients"] + h + 0.55, "last layer first", size=SMALL, ha="left")
+    _arrow(ax, (9.0, lanes["gradients"] + h + 0.55), (12.1, lanes["gradients"] + h + 0.55))
+    buckets = [(xs[0], xs[1] + w, "bucket 0", SKY), (xs[2], xs[3] + w, "bucket 1", ORANGE)]
+    buckets.append((xs[4], xs[4] + w, "2", PURPLE))
+    for start, end, text, fill in buckets:
+        _box(ax, start, lanes["buckets"], end - start, h, text, fill)
+        _arrow(ax, (end - 0.45, lanes["gradients"]), (end - 0.45, lanes["buckets"] + h))
+    runs = [(xs[2], 2.8, "0", SKY), (xs[4], 2.8, "1", ORANGE), (xs[4] + 2.9, 1.7, "2", PURPLE)]
+    for start, length, text, fill in runs:
+        _box(ax, start, lanes["all-reduce"], length, h, text, fill)
+    for (_, end, _, _), (start, _, _, _) in zip(buckets, runs, strict=True):
+        _arrow(ax, (end, lanes["buckets"]), (start + 0.25, lanes["all-reduce"] + h))
+    tail_start, tail_end = xs[4] + w, xs[4] + 2.9 + 1.7
+    ax.plot([tail_start] * 2, [0.3, 7.9], color=VERMILLION, linewidth=2.0, linestyle="--")
+    _arrow(ax, (tail_start, 0.75), (tail_end, 0.75), both=True, color=VERMILLION)
+    _label(ax, tail_start + 0.15, 8.25, "last gradient", size=SMALL, ha="left")
+    _label(ax, x0, 0.75, "full bucket: all-reduce starts", size=SMALL, ha="left")
+    _label(ax, (tail_start + tail_end) / 2, 0.3, "tail", size=SMALL, color=VERMILLION)
+    return fig
+
+
 def draw_rank0_save() -> Figure:
     """Rank 0 saves while the others wait: under the training timeout they give up; in a
     barrier with a budget of its own they wait the save out (chapter 4)."""
@@ -436,6 +471,7 @@ class Diagram:
 DIAGRAMS: tuple[Diagram, ...] = (
     Diagram("ch01_collectives", 1, draw_collectives),
     Diagram("ch02_ddp_overlap", 2, draw_ddp_overlap),
+    Diagram("ch03_bucket_fill", 3, draw_bucket_fill),
     Diagram("ch04_rank0_save", 4, draw_rank0_save),
     Diagram("ch05_atomic_save", 5, draw_atomic_save),
     Diagram("ch06_training_state", 6, draw_training_state),

@@ -8,6 +8,11 @@ slider's ``index`` is linked (``jslink``, which the widget manager runs in JavaS
 follows the first slider, and every inner stack follows the second. Nothing runs in Python
 after the cell, so the same widget works in the book, in JupyterLab and in a saved notebook.
 
+Each picture is an ``<img>`` in an ``HTML`` widget rather than an ``Image`` widget, so that it
+carries alt text (``Image`` has no ``alt``): the ``alt`` given, followed by the slider values
+that picture shows. The ``<img>`` keeps the class ``widget-image`` that pages and tests look for.
+A ``caption`` is shown under the pictures, as a figure's caption is.
+
 The price is a grid, not a continuum: keep it to a few values per slider (the product of the
 counts is the number of PNGs stored in the notebook; :func:`slider_figure` refuses more than
 ``max_pictures``).
@@ -15,6 +20,8 @@ counts is the number of PNGs stored in the notebook; :func:`slider_figure` refus
 
 from __future__ import annotations
 
+import base64
+import html
 import io
 import itertools
 from collections.abc import Callable, Sequence
@@ -36,6 +43,15 @@ def png_of(fig: Any, dpi: int = 100) -> bytes:
     return buf.getvalue()
 
 
+def picture_html(png: bytes, alt: str) -> str:
+    """An ``<img>`` showing ``png`` inline (a data URI) with ``alt`` as its alt text, escaped."""
+    data = base64.b64encode(png).decode("ascii")
+    return (
+        f'<img class="widget-image" alt="{html.escape(alt, quote=True)}" '
+        f'src="data:image/png;base64,{data}" style="max-width: 100%; height: auto">'
+    )
+
+
 def slider_figure(
     render: Callable[..., bytes],
     grid: dict[str, Sequence[float]],
@@ -44,6 +60,8 @@ def slider_figure(
     fmt: str = "{:.3g}",
     max_pictures: int = 40,
     note: str | None = LIVE_NOTE,
+    caption: str | None = None,
+    alt: str | None = None,
 ) -> Any:
     """A VBox of one ``SelectionSlider`` per entry of ``grid`` above the matching picture.
 
@@ -52,6 +70,12 @@ def slider_figure(
     order; ``value`` picks the combination shown first (default: each slider's first value).
     The sliders are labelled with their key and show their value with ``fmt``; the box's
     ``links`` attribute lists the browser-side links (slider index -> stack).
+
+    Every picture is an ``<img>`` whose alt text is ``alt`` (what the figure shows) followed
+    by that picture's slider values, e.g. ``"Bucket sizes (bucket_cap_mb = 25)"``; without
+    ``alt`` it names the values only. ``caption`` (plain text, escaped) is shown under the
+    pictures and above ``note``. Raises ``ValueError`` for no or more than two sliders, an
+    empty slider, or more than ``max_pictures`` pictures, before anything is drawn.
     """
     import ipywidgets as widgets
 
@@ -74,10 +98,13 @@ def slider_figure(
     start = value or {}
     index = {n: list(grid[n]).index(start[n]) if n in start else 0 for n in names}
 
-    images = {
-        combo: widgets.Image(value=render(**dict(zip(names, combo, strict=True))), format="png")
-        for combo in itertools.product(*(grid[n] for n in names))
-    }
+    def picture(combo: tuple[float, ...]) -> Any:
+        values = ", ".join(f"{n} = {fmt.format(v)}" for n, v in zip(names, combo, strict=True))
+        text = f"{alt} ({values})" if alt else f"Figure for {values}"
+        png = render(**dict(zip(names, combo, strict=True)))
+        return widgets.HTML(picture_html(png, text))
+
+    images = {combo: picture(combo) for combo in itertools.product(*(grid[n] for n in names))}
     style = {"description_width": "initial"}
     sliders = [
         widgets.SelectionSlider(
@@ -104,6 +131,8 @@ def slider_figure(
         outer = widgets.Stack(inner, selected_index=index[names[0]])
         links.append(widgets.jslink((sliders[0], "index"), (outer, "selected_index")))
     children: list[Any] = [*sliders, outer]
+    if caption:
+        children.append(widgets.HTML(f'<p class="slider-caption">{html.escape(caption)}</p>'))
     if note:
         children.append(
             widgets.HTML(f"<small>{note.replace('`make lab`', '<code>make lab</code>')}</small>")
