@@ -62,8 +62,16 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check src tests tools notebooks
 	$(VENV)/bin/mypy
 
-test: lint
-	$(PY) -m pytest notebooks tests $(NBVAL) --ignore=tests/browser $(PARALLEL) --durations=15
+# Lint and types run beside the tests (mypy keeps one core busy for a few seconds while the
+# first files start their ranks); their output is printed, and a failure fails the target,
+# once the tests end. `make lint` alone gives the quick answer.
+test: $(STAMP)
+	@lint_log=$$(mktemp); ( $(MAKE) --no-print-directory lint >"$$lint_log" 2>&1 ) & lint_pid=$$!; \
+	$(PY) -m pytest notebooks tests $(NBVAL) --ignore=tests/browser $(PARALLEL) --durations=15; \
+	status=$$?; wait $$lint_pid; lint_status=$$?; \
+	echo "--- make lint (ruff, ruff format --check, mypy) ---"; cat "$$lint_log"; rm -f "$$lint_log"; \
+	if [ $$lint_status -ne 0 ]; then echo "make test: lint or types failed (above)"; exit 1; fi; \
+	exit $$status
 
 # One chapter, checked as CI checks it (nbval re-runs it and compares every output): make chapter N=06
 chapter: $(STAMP)
