@@ -35,11 +35,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 _DEFAULT = 5
 _SECONDS = {
-    "notebooks/10_fault_tolerant_training.ipynb": 360,
+    "notebooks/10_fault_tolerant_training.ipynb": 320,
     "tests/test_chaos_styles.py": 194,
     "tests/test_train.py": 150,
+    "notebooks/11_how_often_and_at_scale.ipynb": 125,
     "tests/demos/test_multinode.py": 115,
     "tests/demos/test_chaos_trainers.py": 89,
+    "tests/demos/test_reader_trainer.py": 34,
     "tests/test_dirlock.py": 85,
     "notebooks/12_porting_an_existing_script.ipynb": 150,
     "tests/test_launch.py": 95,

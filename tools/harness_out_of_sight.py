@@ -35,8 +35,8 @@ SETUP = {
     "10": (
         "import inspect",
         "from torch.distributed.elastic.agent.server.api import SimpleElasticAgent",
-        "def curve_png(",
     ),
+    "11": ("import inspect", "def curve_png("),
 }
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 

@@ -7,7 +7,7 @@ it starts: importing torch, then wrapping the model in ``DistributedDataParallel
 imports ``torch._dynamo`` and sympy). The collector walks them again and again while they are
 built, and every restart pays for it again. `pause` turns it off until the model is wrapped;
 `resume` then freezes them (``gc.freeze``: never walked again, they live as long as the
-process). Chapter 10 ("What a restart costs") measures what it saves.
+process). Chapter 11 ("What a restart costs") measures what it saves.
 
 Only for a program's own start: `pause` does nothing unless its caller is ``__main__``, so a
 module imported as a library (by tests, by `refimpl.launch.spawn`) leaves the collector alone.

@@ -1,5 +1,5 @@
 """refimpl.demos.multinode: two torchrun agents on one machine, as two nodes. The slow tests
-run chapter 10's two multi-node claims on real agents: a fixed two-node job whose worker dies
+run chapter 11's two multi-node claims on real agents: a fixed two-node job whose worker dies
 restarts both nodes and ends bit-identical to an uninterrupted run; an elastic job that loses
 a whole node goes on alone and trains every sample of the interrupted epoch exactly once; and
 a three-node job that loses the node serving torchrun's shared store hands a survivor's worker

@@ -16,7 +16,8 @@ with the chapters that use them.
 - `refimpl.demos.sharded`, `refimpl.demos.sharded_runs`, `refimpl.demos.dcp_pitfalls`: chapters 8-9;
   `refimpl.demos.train`: chapter 10's runs of ``python -m refimpl.train``
 - `refimpl.demos.chaos_trainers`, `refimpl.demos.chaos_runs`, `refimpl.demos.restarts`:
-  chapter 10's kill tests; `refimpl.demos.multinode`: its two-node and elastic runs on one
+  chapter 10's kill tests; `refimpl.demos.reader_trainer`: the trainer it shows, written as a
+  reader would; `refimpl.demos.multinode`: chapter 11's two-node and elastic runs on one
   machine; `refimpl.demos.porting`: chapter 12's nanoGPT-style script, its
   port to refimpl, and the kill test on both
 - `refimpl.demos.faults`: the kill-the-saver harness behind chapter 5

@@ -33,6 +33,7 @@ __all__ = [
     "draw_ddp_overlap",
     "draw_live_recovery",
     "draw_rank0_save",
+    "draw_save_interval",
     "draw_torchrun_restarts",
     "draw_training_state",
     "main",
@@ -287,6 +288,31 @@ def draw_torchrun_restarts() -> Figure:
     return fig
 
 
+def draw_save_interval() -> Figure:
+    """What a failure costs a job that saves every tau of work: C per save, the work since
+    the last save lost, the restart R, and the interval that balances them (chapter 11)."""
+    fig, ax = _canvas(7.4)
+    y, h = 3.9, 1.3
+    _box(ax, 0.2, y, 2.9, h, "work τ", SKY)
+    _box(ax, 3.2, y, 0.9, h, "C", ORANGE, bold=True)
+    _box(ax, 4.2, y, 2.9, h, "work τ", SKY)
+    _box(ax, 7.2, y, 0.9, h, "C", ORANGE, bold=True)
+    _box(ax, 8.2, y, 2.4, h, "lost", GREY)
+    _box(ax, 10.7, y, 1.5, h, "fail", VERMILLION, bold=True)
+    _box(ax, 12.3, y, 1.2, h, "R", YELLOW, bold=True)
+    _box(ax, 13.6, y, 2.2, h, "redo", SKY)
+    _label(ax, 4.15, 6.6, "a save every τ of work", size=SMALL)
+    _arrow(ax, (3.65, 6.15), (3.65, y + h))
+    _arrow(ax, (7.65, 6.15), (7.65, y + h))
+    _label(ax, 11.45, 6.6, "a failure", size=SMALL)
+    _arrow(ax, (11.45, 6.15), (11.45, y + h))
+    _arrow(ax, (8.2, 3.3), (10.7, 3.3), both=True)
+    _label(ax, 9.45, 2.6, "τ/2 lost, on average", size=SMALL)
+    _label(ax, 8.0, 1.2, "waste ≈ C/τ + τ/(2M) + R/M", size=BIG)
+    _label(ax, 8.0, 0.4, "least at τ ≈ √(2CM)", size=TEXT, weight="bold")
+    return fig
+
+
 def draw_collectives() -> Figure:
     """The four collectives on three ranks, each rank's tensor before and after (chapter 1)."""
     fig, ax = _canvas(13.0)
@@ -479,6 +505,7 @@ DIAGRAMS: tuple[Diagram, ...] = (
     Diagram("ch08_dcp_commit", 8, draw_dcp_commit),
     Diagram("ch09_async_staging", 9, draw_async_staging),
     Diagram("ch10_torchrun_restarts", 10, draw_torchrun_restarts),
+    Diagram("ch11_save_interval", 11, draw_save_interval),
     Diagram("ch13_live_recovery", 13, draw_live_recovery),
 )
 

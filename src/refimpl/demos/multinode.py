@@ -1,4 +1,4 @@
-"""Chapter 10's multi-node runs, on one machine: two torchrun agents, a node lost, a node back.
+"""Chapter 11's multi-node runs, on one machine: two torchrun agents, a node lost, a node back.
 
 Each "node" is one ``torchrun --nproc-per-node=1 --rdzv-backend=c10d`` agent in a session of
 its own, both meeting at one endpoint on 127.0.0.1; node ``a`` serves the rendezvous store

@@ -1,4 +1,4 @@
-"""Chapter 10's restart runs: the README's command five times, a stuck save, the cost of a restart.
+"""Restart runs: the README's command five times, a stuck save (chapter 10), a restart's cost (11).
 
 `readme_runs` runs the command the README prints (``--fail-at-step 17``, torchrun's shared store,
 no variable set) several times and compares each run's final weights with an uninterrupted

@@ -188,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = TrainConfig.from_namespace(parse_args(argv))
     owns_group = not dist.is_initialized()
     info = init_from_env(timeout_s=config.pg_timeout)
-    if config.log_times:  # chapter 10's restart cost: where the seconds after a kill go
+    if config.log_times:  # chapter 11's restart cost: where the seconds after a kill go
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         _Log(info.rank, times=True)(
             f"timing: restart {attempt} process "
