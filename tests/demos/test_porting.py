@@ -308,3 +308,25 @@ def test_only_rank_0_prints(name: str) -> None:
     ]
     unguarded = [ast.unparse(n) for n in prints if id(n) not in guarded]
     assert prints and not unguarded, unguarded
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("module", ["", ".accel", ".traps", ".sampling", ".model"])
+def test_the_api_page_shows_no_machine_path(module: str) -> None:
+    """book/api/demos.md documents these modules: a documented constant whose value holds
+    this machine's path (``/work/...``) must hide its value (``:meta hide-value:``)."""
+    import importlib
+
+    from sphinx.pycode import ModuleAnalyzer
+
+    name = f"refimpl.demos.porting{module}"
+    mod = importlib.import_module(name)
+    documented = ModuleAnalyzer.for_module(name).find_attr_docs()
+    shown = [
+        attr
+        for (scope, attr), doc in documented.items()
+        if scope == ""
+        and str(Path(porting.__file__).parent) in repr(getattr(mod, attr))
+        and ":meta hide-value:" not in "".join(doc)
+    ]
+    assert not shown, f"{name}: {shown} would show this machine's path on the API page"

@@ -57,7 +57,11 @@ __all__ += [
 
 HERE = Path(__file__).resolve().parent
 SCRIPTS = {"original": HERE / "train_gpt.py", "port": HERE / "train_gpt_refimpl.py"}
-"""The two scripts chapter 12 compares, by the name it gives them."""
+"""The two scripts chapter 12 compares, by the name it gives them (``train_gpt.py`` and
+``train_gpt_refimpl.py`` beside this module).
+
+:meta hide-value:
+"""
 
 TEXT = """\
 Shall I compare thee to a summer's day?

@@ -36,7 +36,11 @@ ACCELERATE = {
     "as-is": HERE / "train_accelerate.py",
     "port": HERE / "train_accelerate_refimpl.py",
 }
-"""The Accelerate-style trainer and its port, by the name chapter 12 gives them."""
+"""The Accelerate-style trainer and its port, by the name chapter 12 gives them
+(``train_accelerate.py`` and ``train_accelerate_refimpl.py`` beside this module).
+
+:meta hide-value:
+"""
 
 KILL_ON = r"^epoch 1 step 11 "
 """Where rank 1 is killed: rank 0's line after step 11 (saved at 5 and 10)."""

@@ -1,12 +1,12 @@
-"""train_accelerate.py: a trainer in Hugging Face Accelerate's usual style (chapter 12).
+"""train_accelerate.py: a trainer in Hugging Face Accelerate's usual style (ch. 12).
 
 Run it under torchrun (Accelerate reads torchrun's variables; gloo on CPU)::
 
     torchrun --standalone --nproc-per-node=2 train_accelerate.py --out out
 
-As Accelerate's own checkpointing example does it: ``set_seed``, ``accelerator.prepare``
-of the model, the optimizer, a shuffling ``DataLoader`` and the scheduler; every
-``--checkpointing-steps`` optimizer steps
+As Accelerate's own checkpointing example does it: ``set_seed``,
+``accelerator.prepare`` of the model, the optimizer, a shuffling ``DataLoader`` and the
+scheduler; every ``--checkpointing-steps`` optimizer steps
 ``accelerator.save_state(out/checkpoints/step_N)`` on every process; a start that finds
 a checkpoint ``load_state``s the newest (by creation time), works out the epoch and the
 batches already trained from its step number, and skips them with

@@ -84,7 +84,9 @@ def main() -> None:
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: 1 / (1 + 0.05 * s)
     )
-    model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
+    model, optimizer, lr_scheduler = accelerator.prepare(
+        model, optimizer, lr_scheduler
+    )
 
     checkpoints = os.path.join(args.out, "checkpoints")
     overall_step, starting_epoch = 0, 0

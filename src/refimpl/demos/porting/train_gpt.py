@@ -6,8 +6,8 @@ Run it alone, or under torchrun (DDP on every rank, gloo on CPU)::
 
 Rank 0 evaluates every ``eval_interval`` iterations and ``torch.save``s
 ``out_dir/ckpt.pt`` in place; a start that finds ``ckpt.pt`` resumes from it
-(``init_from = "resume"``). Batches are random offsets drawn with ``torch.randint`` from
-the RNG seeded ``1337 + rank``.
+(``init_from = "resume"``). Batches are random offsets drawn with ``torch.randint``
+from the RNG seeded ``1337 + rank``.
 """
 
 import json
@@ -34,7 +34,7 @@ eval_interval = 4
 eval_iters = 2
 log_interval = 1
 always_save_checkpoint = True
-init_from = "resume"  # resume from out_dir/ckpt.pt when there is one, else from scratch
+init_from = "resume"  # resume from out_dir/ckpt.pt if there is one, else from scratch
 batch_size = 4
 block_size = 16
 n_layer = 2

@@ -6,9 +6,9 @@ Run it alone, or under torchrun (DDP on every rank, gloo on CPU)::
         --out_dir=out --data_dir=data
 
 Every ``eval_interval`` iterations every rank captures its state (RNG included) before
-rank 0 evaluates, and rank 0 saves it as a verified ``out_dir/ckpt/step_N``; every start
-resumes from the newest one that verifies. Training batches are random offsets drawn
-with replacement, as before, from a `RandomOffsets` whose state is one counter.
+rank 0 evaluates, and rank 0 saves it as a verified ``out_dir/ckpt/step_N``; every
+start resumes from the newest one that verifies. Training batches are random offsets
+drawn with replacement, as before, from a `RandomOffsets` whose state is one counter.
 """
 
 import json
@@ -41,7 +41,7 @@ eval_interval = 4
 eval_iters = 2
 log_interval = 1
 always_save_checkpoint = True
-init_from = "resume"  # resume from out_dir/ckpt when it holds a step, else from scratch
+init_from = "resume"  # resume from out_dir/ckpt if it holds a step, else from scratch
 batch_size = 4
 block_size = 16
 n_layer = 2

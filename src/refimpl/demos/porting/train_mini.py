@@ -13,8 +13,8 @@ dataset whose ``__getitem__`` draws a random augmentation; fp16 autocast with a
 resumes there and skips the batches the epoch already trained. ``final.pt`` holds the
 final weights (the file the kill test compares).
 
-Without ``--trap`` its resume is exact. Each ``--trap`` puts back one thing such scripts
-get wrong, and only that:
+Without ``--trap`` its resume is exact. Each ``--trap`` puts back one thing such
+scripts get wrong, and only that:
 
 - ``reseed``: the saved RNG state is restored right after loading, and the epoch's
   ``setup_seed(42 + epoch)`` then overwrites it;

@@ -23,11 +23,20 @@ from refimpl.chaos import ChaosRow, run_chaos
 from refimpl.demos.porting import relative_paths
 from refimpl.demos.porting.train_mini import TRAPS
 
-__all__ = ["MINI", "TRAPS", "chaos_traps", "first_line_after_resume", "fp16_round_trip"]
+__all__ = [
+    "MINI",
+    "TRAPS",
+    "chaos_traps",
+    "first_line_after_resume",
+    "fp16_round_trip",
+]
 __all__ += ["mini_command"]
 
 MINI = Path(__file__).resolve().parent / "train_mini.py"
-"""The MiniMind-style trainer chapter 12 kill-tests."""
+"""The MiniMind-style trainer chapter 12 kill-tests (``train_mini.py`` beside this module).
+
+:meta hide-value:
+"""
 
 KILL_ON = r"^Epoch:\[2/2\]\(9/"
 """Where every run is killed: the line of epoch 2's batch 9 (0-based)."""
