@@ -62,3 +62,4 @@ def test_draw_leaves_out_the_before_series_when_asked() -> None:
         assert len(ax.patches) == bars
         labels = ax.get_legend_handles_labels()[1]
         assert any(label.startswith("before") for label in labels) == with_before
+        assert any(label.startswith("now") for label in labels) == with_before

@@ -131,7 +131,8 @@ def draw(result: dict[str, Any], ax: Any, *, with_before: bool = True) -> None:
     refimpl's ranged reads and (``with_before``) for DCP's per-item path, with the goal as a
     line. Raises `KeyError` when ``result`` lacks a series it is asked to draw."""
     names = list(result["ratios"])
-    series = [("now: needed rows, no second hash", result["ratios"], "tab:blue")]
+    now = "now: " if with_before else "refimpl: "
+    series = [(f"{now}needed rows, no second hash", result["ratios"], "tab:blue")]
     if with_before:
         before = result["dcp_reader_ratios"]
         series.append(("before: whole chunks, all files hashed", before, "tab:gray"))
