@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from refimpl.bench.reshard import READERS, WORLDS, _paired, _same, main
+from refimpl.bench.reshard import READERS, WORLDS, _paired, _same, draw, main
 
 
 @pytest.mark.slow
@@ -48,3 +48,18 @@ def test_the_weight_check_tells_a_reordered_sum_from_other_weights() -> None:
     assert _same([forwards, 2.0], [backwards, 2.0])
     assert not _same([forwards, 2.0], [forwards, 2.0 + 1e-6])
     assert not _same([forwards], None)
+
+
+def test_draw_leaves_out_the_before_series_when_asked() -> None:
+    """Chapter 8 shows refimpl's reader only; the command's own figure keeps both series."""
+    from matplotlib.figure import Figure
+
+    bench = json.loads((Path(__file__).parents[1] / "book/figures/reshard.json").read_text())
+    pairs = len(bench["ratios"])
+    for with_before, bars in ((True, 2 * pairs), (False, pairs)):
+        ax = Figure().subplots()
+        draw(bench, ax, with_before=with_before)
+        assert len(ax.patches) == bars
+        labels = ax.get_legend_handles_labels()[1]
+        assert any(label.startswith("before") for label in labels) == with_before
+        assert any(label.startswith("now") for label in labels) == with_before

@@ -126,22 +126,25 @@ def _paired(same: list[float], other: list[float]) -> dict[str, float]:
     return summarize([s / r for s, r in zip(same, other, strict=True)])
 
 
-def draw(result: dict[str, Any], ax: Any) -> None:
+def draw(result: dict[str, Any], ax: Any, *, with_before: bool = True) -> None:
     """Each resharded pair's throughput ratio (median, min-max as a bar) on ``ax``, for
-    refimpl's ranged reads and for DCP's per-item path, with the goal as a line."""
+    refimpl's ranged reads and (``with_before``) for DCP's per-item path, with the goal as a
+    line. Raises `KeyError` when ``result`` lacks a series it is asked to draw."""
     names = list(result["ratios"])
-    series = (
-        ("now: needed rows, no second hash", result["ratios"], "tab:blue"),
-        ("before: whole chunks, all files hashed", result["dcp_reader_ratios"], "tab:gray"),
-    )
+    now = "now: " if with_before else "refimpl: "
+    series = [(f"{now}needed rows, no second hash", result["ratios"], "tab:blue")]
+    if with_before:
+        before = result["dcp_reader_ratios"]
+        series.append(("before: whole chunks, all files hashed", before, "tab:gray"))
+    width, step = (0.34, 0.36) if with_before else (0.6, 0.0)
     for i, (label, ratios, color) in enumerate(series):
         ys = [ratios[n]["median"] for n in names]
         err = [
             [y - ratios[n]["min"] for y, n in zip(ys, names, strict=True)],
             [ratios[n]["max"] - y for y, n in zip(ys, names, strict=True)],
         ]
-        xs = [k + (i - 0.5) * 0.36 for k in range(len(names))]
-        ax.bar(xs, ys, 0.34, yerr=err, capsize=3, color=color, label=label)
+        xs = [k + (i - (len(series) - 1) / 2) * step for k in range(len(names))]
+        ax.bar(xs, ys, width, yerr=err, capsize=3, color=color, label=label)
     ax.axhline(GOAL, color="tab:red", linestyle="--", linewidth=1, label=f"goal {GOAL}")
     ax.axhline(1.0, color="black", linewidth=0.8)
     short = [n.replace("saved at ", "").replace(", loaded at ", " @") for n in names]

@@ -32,6 +32,7 @@ __all__ = [
     "draw_dcp_commit",
     "draw_ddp_overlap",
     "draw_live_recovery",
+    "draw_porting",
     "draw_rank0_save",
     "draw_save_interval",
     "draw_torchrun_restarts",
@@ -484,6 +485,41 @@ def draw_live_recovery() -> Figure:
     return fig
 
 
+def draw_porting() -> Figure:
+    """The port: every rank captures its state before rank 0's evaluation, rank 0 saves it,
+    every rank resumes its own; the kill test compares a killed run with an uninterrupted
+    one (chapter 12)."""
+    fig, ax = _canvas(12.4)
+    h = 1.3
+    _label(ax, 8.0, 11.8, "capture, save, resume", weight="bold", size=BIG)
+    for r, y in ((0, 9.2), (1, 6.9)):
+        _label(ax, 0.2, y + h / 2, f"rank {r}", ha="left")
+        _box(ax, 2.3, y, 2.9, h, "capture", ORANGE)
+        if r == 0:
+            _box(ax, 5.4, y, 1.9, h, "eval", GREY)
+            _box(ax, 7.5, y, 2.7, h, "save N", GREEN, bold=True)
+        else:
+            _box(ax, 5.4, y, 4.8, h, "train", GREY)
+        _box(ax, 11.3, y, 4.5, h, "resume\nits own RNG", SKY, size=SMALL)
+    _arrow(ax, (3.75, 6.9 + h), (3.75, 9.2))
+    _label(ax, 4.0, 8.85, "RNG", ha="left", size=SMALL)
+    ax.plot([10.75, 10.75], [6.6, 10.9], color=VERMILLION, lw=3, ls="--")
+    _label(ax, 10.75, 11.1, "kill", size=SMALL, color=VERMILLION, weight="bold")
+    _label(ax, 8.0, 5.3, "the kill test", weight="bold", size=BIG)
+    for name, y in (("reference", 3.1), ("killed", 0.4)):
+        _label(ax, 0.2, y + h / 2, name, ha="left")
+        if name == "reference":
+            _box(ax, 3.4, y, 8.6, h, "steps 0 to 12", SKY)
+        else:
+            _box(ax, 3.4, y, 2.6, h, "0 to 6", SKY)
+            _box(ax, 6.1, y, 1.5, h, "kill", VERMILLION, bold=True)
+            _box(ax, 7.7, y, 4.3, h, "resume at 4", GREEN)
+        _box(ax, 12.4, y, 3.4, h, "final.pt", ORANGE)
+    _arrow(ax, (14.1, 0.4 + h), (14.1, 3.1), both=True)
+    _label(ax, 13.8, 2.4, "same bits?", ha="right", size=SMALL)
+    return fig
+
+
 @dataclass(frozen=True)
 class Diagram:
     """One diagram: the file name it is saved under (``<name>.svg``), the chapter it belongs
@@ -506,6 +542,7 @@ DIAGRAMS: tuple[Diagram, ...] = (
     Diagram("ch09_async_staging", 9, draw_async_staging),
     Diagram("ch10_torchrun_restarts", 10, draw_torchrun_restarts),
     Diagram("ch11_save_interval", 11, draw_save_interval),
+    Diagram("ch12_porting", 12, draw_porting),
     Diagram("ch13_live_recovery", 13, draw_live_recovery),
 )
 

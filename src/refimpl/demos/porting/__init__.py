@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +38,30 @@ import torch.distributed as dist
 from refimpl._compare import first_difference, load_flat
 from refimpl.chaos import ChaosRow, run_chaos
 
-__all__ = ["SCRIPTS", "TEXT", "Draws", "chaos_scripts", "differing_tensors", "draws_after_resume"]
-__all__ += ["prepare_data", "rng_capture_points", "script_command", "script_diff", "torn_save"]
+__all__ = [
+    "SCRIPTS",
+    "TEXT",
+    "Draws",
+    "chaos_scripts",
+    "differing_tensors",
+    "draws_after_resume",
+]
+__all__ += [
+    "prepare_data",
+    "relative_paths",
+    "rng_capture_points",
+    "script_command",
+    "script_diff",
+    "torn_save",
+]
 
 HERE = Path(__file__).resolve().parent
 SCRIPTS = {"original": HERE / "train_gpt.py", "port": HERE / "train_gpt_refimpl.py"}
-"""The two scripts chapter 12 compares, by the name it gives them."""
+"""The two scripts chapter 12 compares, by the name it gives them (``train_gpt.py`` and
+``train_gpt_refimpl.py`` beside this module).
+
+:meta hide-value:
+"""
 
 TEXT = """\
 Shall I compare thee to a summer's day?
@@ -105,7 +123,11 @@ def script_command(
     rank trains to ``{out}/draws.rankR``, and sleeps ``step_sleep`` a step (time for a kill
     to land at the line it was aimed at)."""
     torchrun = Path(sys.executable).with_name("torchrun")
-    head = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    head = (
+        [str(torchrun)]
+        if torchrun.exists()
+        else [sys.executable, "-m", "torch.distributed.run"]
+    )
     return [
         *head,
         "--standalone",
@@ -117,6 +139,23 @@ def script_command(
         f"--step_sleep={step_sleep}",
         "--draws_log={out}/draws",
     ]
+
+
+def relative_paths(row: ChaosRow, root: str | os.PathLike[str]) -> ChaosRow:
+    """``row`` with ``root/`` taken off every path its text shows (the resume line, the
+    difference, the detail), so a page shows ``original/kill-rank1``, not where this
+    machine keeps its temporary files; ``row.log`` stays a usable path. Never raises."""
+    prefix = f"{os.fspath(root).rstrip(os.sep)}{os.sep}"
+
+    def short(text: str | None) -> str | None:
+        return None if text is None else text.replace(prefix, "")
+
+    return replace(
+        row,
+        resume=short(row.resume),
+        difference=short(row.difference),
+        detail=short(row.detail),
+    )
 
 
 KILL_ON = r"^iter 6: loss"
@@ -135,6 +174,7 @@ def chaos_scripts(
 ) -> dict[str, list[ChaosRow]]:
     """`refimpl.chaos.run_chaos` on the scripts ``names`` (default both); the runs stay in
     ``work/NAME/SCENARIO``. Kills land at `KILL_ON` and, for rank 0 in a save, `SAVE_ON`.
+    The rows show paths relative to ``work`` (`relative_paths`).
 
     The original calls ``init_process_group`` itself, so it runs with
     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (chapter 10: a restart on torchrun's shared store
@@ -143,7 +183,7 @@ def chaos_scripts(
     rows = {}
     for name in names:
         env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if name == "original" else {}
-        rows[name] = run_chaos(
+        found = run_chaos(
             script_command(name, data_dir),
             kill_on=KILL_ON,
             save_on=SAVE_ON,
@@ -154,6 +194,7 @@ def chaos_scripts(
             work=Path(work) / name,
             env=env,
         )
+        rows[name] = [relative_paths(row, work) for row in found]
     return rows
 
 
@@ -175,13 +216,16 @@ class Draws:
 def _read_draws(path: Path) -> list[tuple[int, str]]:
     out = []
     for line in path.read_text().splitlines():
-        if m := re.fullmatch(r"(\d+) ([0-9a-f]{8})", line):  # a torn last line is skipped
+        # a torn last line is skipped
+        if m := re.fullmatch(r"(\d+) ([0-9a-f]{8})", line):
             out.append((int(m.group(1)), m.group(2)))
     return out
 
 
 def draws_after_resume(
-    run_dir: str | os.PathLike[str], reference_dir: str | os.PathLike[str], nproc: int = 2
+    run_dir: str | os.PathLike[str],
+    reference_dir: str | os.PathLike[str],
+    nproc: int = 2,
 ) -> list[Draws]:
     """Compare each rank's ``draws.rankR`` log after the last resume with the reference's."""
     report = []
@@ -200,12 +244,16 @@ def draws_after_resume(
 
 
 def differing_tensors(
-    run_dir: str | os.PathLike[str], reference_dir: str | os.PathLike[str], name: str = "final.pt"
+    run_dir: str | os.PathLike[str],
+    reference_dir: str | os.PathLike[str],
+    name: str = "final.pt",
 ) -> tuple[int, int]:
     """(tensors that differ, tensors in all) between two runs' ``name`` (weights-only)."""
     ref, got = load_flat(Path(reference_dir) / name), load_flat(Path(run_dir) / name)
     tensors = [k for k, v in ref.items() if isinstance(v, torch.Tensor)]
-    differ = sum(first_difference({k: ref[k]}, {k: got.get(k)}) is not None for k in tensors)
+    differ = sum(
+        first_difference({k: ref[k]}, {k: got.get(k)}) is not None for k in tensors
+    )
     return differ, len(tensors)
 
 
@@ -245,7 +293,7 @@ def _loop(
             own = torch.get_rng_state()  # what rank 0 can see: its own stream
         if it % 4 == 0 and rank == 0:
             torch.randint(1000, (2, 4))  # estimate_loss: random evaluation batches
-        if it == at and variant == "after-eval":  # every rank, once rank 0 has evaluated
+        if it == at and variant == "after-eval":  # every rank, after rank 0's eval
             state = capture_every_rank(model, opt, step=it)
         if it == at and rank == 0:
             if state is not None:
@@ -258,7 +306,9 @@ def _loop(
     return draws
 
 
-def capture_point_worker(ckpt_root: str, iters: int = 10, at: int = 4) -> dict[str, Any]:
+def capture_point_worker(
+    ckpt_root: str, iters: int = 10, at: int = 4
+) -> dict[str, Any]:
     """Spawned rank: the loop uninterrupted, then for each variant a run to ``at`` (it saves
     there) and a restart that resumes at ``at`` as that variant restores; the draws of each."""
     from refimpl.trainstate import resume_every_rank
@@ -272,8 +322,9 @@ def capture_point_worker(ckpt_root: str, iters: int = 10, at: int = 4) -> dict[s
     for variant in CAPTURE_VARIANTS:
         ckpt = os.path.join(ckpt_root, variant)
         torch.manual_seed(1337 + rank)
-        _loop(rank, 0, at + 1, at, variant, ckpt, model, opt)  # killed after iteration `at`
-        torch.manual_seed(1337 + rank)  # the restart: a fresh process seeds as the script does
+        _loop(rank, 0, at + 1, at, variant, ckpt, model, opt)  # killed after `at`
+        # the restart: a fresh process seeds as the script does
+        torch.manual_seed(1337 + rank)
         if variant == "rank0":
             torch.set_rng_state(torch.load(f"{ckpt}.pt", weights_only=True)["rng"])
         elif variant != "nothing":
@@ -293,7 +344,8 @@ def rng_capture_points(iters: int = 10, at: int = 4) -> list[dict[str, Any]]:
     rows = []
     for variant, label in CAPTURE_VARIANTS.items():
         same = [
-            sum(a == b for a, b in zip(r[variant], r["reference"][at:], strict=True)) for r in ranks
+            sum(a == b for a, b in zip(r[variant], r["reference"][at:], strict=True))
+            for r in ranks
         ]
         rows.append(
             {
@@ -327,13 +379,23 @@ print("the save returned")  # never reached
 """
 
 
-def torn_save(kind: str, target: str | os.PathLike[str], limit_bytes: int) -> dict[str, Any]:
+def torn_save(
+    kind: str, target: str | os.PathLike[str], limit_bytes: int
+) -> dict[str, Any]:
     """The next save of ``kind`` ("original": ``torch.save`` over ``target``, a ``ckpt.pt``;
     "port": ``save_checkpoint`` of the next step into ``target``, a checkpoint directory) in
     a child process that the kernel kills (SIGXFSZ) as a file passes ``limit_bytes``, like a
     SIGKILL at that byte. Returns how the child ended and what a restart can load."""
     target = Path(target)
-    cmd = [sys.executable, "-c", _TORN_CHILD, kind, str(target), str(target), str(limit_bytes)]
+    cmd = [
+        sys.executable,
+        "-c",
+        _TORN_CHILD,
+        kind,
+        str(target),
+        str(target),
+        str(limit_bytes),
+    ]
     child = subprocess.run(
         cmd,
         capture_output=True,
@@ -368,7 +430,9 @@ def script_diff(context: int = 1) -> tuple[list[str], int, int]:
     the lines added and removed."""
     a, b = (SCRIPTS[n].read_text().splitlines() for n in ("original", "port"))
     lines = list(
-        difflib.unified_diff(a, b, "train_gpt.py", "train_gpt_refimpl.py", n=context, lineterm="")
+        difflib.unified_diff(
+            a, b, "train_gpt.py", "train_gpt_refimpl.py", n=context, lineterm=""
+        )
     )
     added = sum(ln.startswith("+") and not ln.startswith("+++") for ln in lines)
     removed = sum(ln.startswith("-") and not ln.startswith("---") for ln in lines)

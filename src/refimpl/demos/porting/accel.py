@@ -20,24 +20,44 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from refimpl.chaos import ChaosRow, run_chaos
+from refimpl.demos.porting import relative_paths
 
-__all__ = ["ACCELERATE", "Resume", "accelerate_command", "accelerate_diff", "chaos_accelerate"]
+__all__ = [
+    "ACCELERATE",
+    "Resume",
+    "accelerate_command",
+    "accelerate_diff",
+    "chaos_accelerate",
+]
 __all__ += ["resume_evidence"]
 
 HERE = Path(__file__).resolve().parent
-ACCELERATE = {"as-is": HERE / "train_accelerate.py", "port": HERE / "train_accelerate_refimpl.py"}
-"""The Accelerate-style trainer and its port, by the name chapter 12 gives them."""
+ACCELERATE = {
+    "as-is": HERE / "train_accelerate.py",
+    "port": HERE / "train_accelerate_refimpl.py",
+}
+"""The Accelerate-style trainer and its port, by the name chapter 12 gives them
+(``train_accelerate.py`` and ``train_accelerate_refimpl.py`` beside this module).
+
+:meta hide-value:
+"""
 
 KILL_ON = r"^epoch 1 step 11 "
 """Where rank 1 is killed: rank 0's line after step 11 (saved at 5 and 10)."""
 
 
-def accelerate_command(name: str, *, nproc: int = 2, step_sleep: float = 0.05) -> list[str]:
+def accelerate_command(
+    name: str, *, nproc: int = 2, step_sleep: float = 0.05
+) -> list[str]:
     """``torchrun --standalone --nproc-per-node=N --max-restarts=2 SCRIPT --out {out} --trace
     {out}/trace``, as `refimpl.chaos` takes it; each step sleeps ``step_sleep`` (time for a
     kill to land where its line says). Raises `KeyError` for a name not in `ACCELERATE`."""
     torchrun = Path(sys.executable).with_name("torchrun")
-    head = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    head = (
+        [str(torchrun)]
+        if torchrun.exists()
+        else [sys.executable, "-m", "torch.distributed.run"]
+    )
     return [
         *head,
         "--standalone",
@@ -60,14 +80,16 @@ def chaos_accelerate(
     timeout_s: float = 180.0,
 ) -> dict[str, ChaosRow]:
     """The kill test (``kill-rank1`` at `KILL_ON`) on each script of ``names``; its runs stay
-    in ``work/NAME`` (``reference`` and ``kill-rank1``). Raises `refimpl.chaos.ChaosError`
+    in ``work/NAME`` (``reference`` and ``kill-rank1``), and its row shows paths relative
+    to ``work`` (`refimpl.demos.porting.relative_paths`). Raises `refimpl.chaos.ChaosError`
     when a run cannot be judged."""
     rows = {}
     for name in names:
-        env = {"OMP_NUM_THREADS": "1"}  # a tiny model: one thread is faster on a busy machine
+        # a tiny model: one thread is faster on a busy machine
+        env = {"OMP_NUM_THREADS": "1"}
         if name == "as-is":
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        (rows[name],) = run_chaos(
+        (row,) = run_chaos(
             accelerate_command(name),
             kill_on=KILL_ON,
             compare="final.pt",
@@ -77,6 +99,7 @@ def chaos_accelerate(
             work=Path(work) / name,
             env=env,
         )
+        rows[name] = relative_paths(row, work)
     return rows
 
 
@@ -102,7 +125,9 @@ def _trace(path: Path) -> list[list[str]]:
 
 
 def resume_evidence(
-    run_dir: str | os.PathLike[str], reference_dir: str | os.PathLike[str], nproc: int = 2
+    run_dir: str | os.PathLike[str],
+    reference_dir: str | os.PathLike[str],
+    nproc: int = 2,
 ) -> list[Resume]:
     """Compare each rank's ``trace.rankR`` after its last resume with the reference's. Raises
     `ValueError` when a rank's trace shows no resume (the step number never goes back)."""
@@ -110,11 +135,15 @@ def resume_evidence(
     for rank in range(nproc):
         ref = {
             int(s): (rng, shuffle, ids)
-            for s, rng, shuffle, ids in _trace(Path(reference_dir) / f"trace.rank{rank}")
+            for s, rng, shuffle, ids in _trace(
+                Path(reference_dir) / f"trace.rank{rank}"
+            )
         }
         when = {ids: s for s, (_, _, ids) in sorted(ref.items(), reverse=True)}
         lines = _trace(Path(run_dir) / f"trace.rank{rank}")
-        starts = [i for i in range(1, len(lines)) if int(lines[i][0]) <= int(lines[i - 1][0])]
+        starts = [
+            i for i in range(1, len(lines)) if int(lines[i][0]) <= int(lines[i - 1][0])
+        ]
         if not starts:
             raise ValueError(f"{run_dir}/trace.rank{rank}: no resume in it")
         after = lines[starts[-1] :]
@@ -127,7 +156,11 @@ def resume_evidence(
                 after[0][1] == ref[first][0],
                 sum(same),
                 len(after),
-                [when.get(ids) for (_, _, _, ids), ok in zip(after, same, strict=True) if not ok],
+                [
+                    when.get(ids)
+                    for (_, _, _, ids), ok in zip(after, same, strict=True)
+                    if not ok
+                ],
                 all(ref[int(s)][1] == sh for s, _, sh, _ in after),
             )
         )
@@ -140,7 +173,12 @@ def accelerate_diff(context: int = 1) -> tuple[list[str], int, int]:
     a, b = (ACCELERATE[n].read_text().splitlines() for n in ("as-is", "port"))
     lines = list(
         difflib.unified_diff(
-            a, b, ACCELERATE["as-is"].name, ACCELERATE["port"].name, n=context, lineterm=""
+            a,
+            b,
+            ACCELERATE["as-is"].name,
+            ACCELERATE["port"].name,
+            n=context,
+            lineterm="",
         )
     )
     added = sum(ln.startswith("+") and not ln.startswith("+++") for ln in lines)

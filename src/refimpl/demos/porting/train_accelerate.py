@@ -1,20 +1,21 @@
-"""train_accelerate.py: a trainer in Hugging Face Accelerate's usual style (chapter 12).
+"""train_accelerate.py: a trainer in Hugging Face Accelerate's usual style (ch. 12).
 
 Run it under torchrun (Accelerate reads torchrun's variables; gloo on CPU)::
 
     torchrun --standalone --nproc-per-node=2 train_accelerate.py --out out
 
-As Accelerate's own checkpointing example does it: ``set_seed``, ``accelerator.prepare`` of
-the model, the optimizer, a shuffling ``DataLoader`` and the scheduler; every
-``--checkpointing-steps`` optimizer steps ``accelerator.save_state(out/checkpoints/step_N)``
-on every process; a start that finds a checkpoint ``load_state``s the newest (by creation
-time), works out the epoch and the batches already trained from its step number, and skips
-them with ``accelerator.skip_first_batches``. ``final.pt`` holds the final weights (what the
-kill test compares).
+As Accelerate's own checkpointing example does it: ``set_seed``,
+``accelerator.prepare`` of the model, the optimizer, a shuffling ``DataLoader`` and the
+scheduler; every ``--checkpointing-steps`` optimizer steps
+``accelerator.save_state(out/checkpoints/step_N)`` on every process; a start that finds
+a checkpoint ``load_state``s the newest (by creation time), works out the epoch and the
+batches already trained from its step number, and skips them with
+``accelerator.skip_first_batches``. ``final.pt`` holds the final weights (what the kill
+test compares).
 
-``--trace FILE`` (a diagnosis aid, not part of the style) appends one line per process and
-step: the step, a CRC of torch's global RNG state at the top of the step, a CRC of the
-shuffle's generator state, and the samples of the batch.
+``--trace FILE`` (a diagnosis aid, not part of the style) appends one line per process
+and step: the step, a CRC of torch's global RNG state at the top of the step, a CRC of
+the shuffle's generator state, and the samples of the batch.
 """
 
 import argparse
@@ -56,11 +57,16 @@ def main() -> None:
     accelerator = Accelerator(cpu=True)
     set_seed(42)
     model = torch.nn.Sequential(
-        torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 1)
+        torch.nn.Linear(8, 32),
+        torch.nn.GELU(),
+        torch.nn.Dropout(0.2),
+        torch.nn.Linear(32, 1),
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
     train_dataloader = DataLoader(RegressionDataset(), batch_size=4, shuffle=True)
-    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + 0.05 * s))
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: 1 / (1 + 0.05 * s)
+    )
     model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, lr_scheduler
     )
@@ -82,7 +88,9 @@ def main() -> None:
         model.train()
         if epoch == starting_epoch and resume_step:
             # skip the batches this epoch already trained
-            active_dataloader = accelerator.skip_first_batches(train_dataloader, resume_step)
+            active_dataloader = accelerator.skip_first_batches(
+                train_dataloader, resume_step
+            )
         else:
             active_dataloader = train_dataloader
         for x, y, ids in active_dataloader:
@@ -90,7 +98,8 @@ def main() -> None:
                 with open(f"{args.trace}.rank{accelerator.process_index}", "a") as f:
                     f.write(
                         f"{overall_step + 1} {crc(torch.get_rng_state())} "
-                        f"{crc(shuffle.get_state())} {','.join(map(str, ids.tolist()))}\n"
+                        f"{crc(shuffle.get_state())} "
+                        f"{','.join(map(str, ids.tolist()))}\n"
                     )
             loss = torch.nn.functional.mse_loss(model(x), y)
             accelerator.backward(loss)
@@ -98,9 +107,13 @@ def main() -> None:
             lr_scheduler.step()
             optimizer.zero_grad()
             overall_step += 1
-            accelerator.print(f"epoch {epoch} step {overall_step} loss {loss.item():.6f}")
+            accelerator.print(
+                f"epoch {epoch} step {overall_step} loss {loss.item():.6f}"
+            )
             if overall_step % args.checkpointing_steps == 0:
-                accelerator.save_state(os.path.join(checkpoints, f"step_{overall_step}"))
+                accelerator.save_state(
+                    os.path.join(checkpoints, f"step_{overall_step}")
+                )
             time.sleep(args.step_sleep)
 
     accelerator.wait_for_everyone()

@@ -4,16 +4,16 @@ Run it under torchrun (Accelerate reads torchrun's variables; gloo on CPU)::
 
     torchrun --standalone --nproc-per-node=2 train_accelerate_refimpl.py --out out
 
-Accelerate still prepares the model, the optimizer and the scheduler. The batches come from
-a `refimpl.data.ResumableSampler` (the loader is not prepared: the sampler already shards),
-and every ``--checkpointing-steps`` steps every rank captures its state and rank 0 saves it
-as a verified ``out/checkpoints/step_N``; every start resumes from the newest one that
-verifies. SIGTERM saves the step in progress and exits 0. ``final.pt`` holds the final
-weights (what the kill test compares).
+Accelerate still prepares the model, the optimizer and the scheduler. The batches come
+from a `refimpl.data.ResumableSampler` (the loader is not prepared: the sampler already
+shards), and every ``--checkpointing-steps`` steps every rank captures its state and
+rank 0 saves it as a verified ``out/checkpoints/step_N``; every start resumes from the
+newest one that verifies. SIGTERM saves the step in progress and exits 0. ``final.pt``
+holds the final weights (what the kill test compares).
 
-``--trace FILE`` (a diagnosis aid, not part of the style) appends one line per process and
-step: the step, a CRC of torch's global RNG state at the top of the step, the epoch (where
-the original logs its shuffle's generator), and the samples of the batch.
+``--trace FILE`` (a diagnosis aid, not part of the style) appends one line per process
+and step: the step, a CRC of torch's global RNG state at the top of the step, the epoch
+(where the original logs its shuffle's generator), and the samples of the batch.
 """
 
 import argparse
@@ -63,7 +63,10 @@ def main() -> None:
     accelerator = Accelerator(cpu=True)
     set_seed(42)
     model = torch.nn.Sequential(
-        torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 1)
+        torch.nn.Linear(8, 32),
+        torch.nn.GELU(),
+        torch.nn.Dropout(0.2),
+        torch.nn.Linear(32, 1),
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
     dataset = RegressionDataset()
@@ -74,23 +77,31 @@ def main() -> None:
         world_size=accelerator.num_processes,
         seed=42,
     )
-    # generator=: iter(loader) draws its base seed from it, not from the restored global RNG
+    # generator=: iter(loader) draws its base seed from it, not from the global RNG
     train_dataloader = DataLoader(
         dataset, batch_size=4, sampler=sampler, generator=torch.Generator()
     )
-    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + 0.05 * s))
-    model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: 1 / (1 + 0.05 * s)
+    )
+    model, optimizer, lr_scheduler = accelerator.prepare(
+        model, optimizer, lr_scheduler
+    )
 
     checkpoints = os.path.join(args.out, "checkpoints")
     overall_step, starting_epoch = 0, 0
-    # every rank: the newest good step, the same everywhere, its own RNG, the sampler's position
+    # every rank: the newest good step, the same everywhere, each its own RNG,
+    # the sampler's position
     resumed = resume_every_rank(
         checkpoints, model, optimizer, scheduler=lr_scheduler, sampler=sampler
     )
     if resumed is not None:
-        accelerator.print(f"Resumed from checkpoint: {checkpoints} at step {resumed.step}")
+        accelerator.print(
+            f"Resumed from checkpoint: {checkpoints} at step {resumed.step}"
+        )
         overall_step, starting_epoch = resumed.step, resumed.epoch
-    preempt = ExitStack().enter_context(StopOnSigterm())  # SIGTERM: finish the step, save, exit 0
+    # SIGTERM: finish the step, save, exit 0
+    preempt = ExitStack().enter_context(StopOnSigterm())
 
     for epoch in range(starting_epoch, args.epochs):
         model.train()
@@ -108,8 +119,11 @@ def main() -> None:
             lr_scheduler.step()
             optimizer.zero_grad()
             overall_step += 1
-            accelerator.print(f"epoch {epoch} step {overall_step} loss {loss.item():.6f}")
-            stop = preempt.should_stop()  # every rank: a signal to one stops all after this step
+            accelerator.print(
+                f"epoch {epoch} step {overall_step} loss {loss.item():.6f}"
+            )
+            # every rank: a signal to one stops all after this step
+            stop = preempt.should_stop()
             if overall_step % args.checkpointing_steps == 0 or stop:
                 state = capture_every_rank(
                     model,

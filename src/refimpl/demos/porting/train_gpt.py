@@ -1,12 +1,13 @@
-"""train_gpt.py: a nanoGPT-style trainer, as such scripts are written (chapter 12's "before").
+"""train_gpt.py: a nanoGPT-style trainer, as such scripts are written (chapter 12).
 
 Run it alone, or under torchrun (DDP on every rank, gloo on CPU)::
 
     torchrun --standalone --nproc-per-node=2 train_gpt.py --out_dir=out --data_dir=data
 
-Rank 0 evaluates every ``eval_interval`` iterations and ``torch.save``s ``out_dir/ckpt.pt``
-in place; a start that finds ``ckpt.pt`` resumes from it (``init_from = "resume"``). Batches
-are random offsets drawn with ``torch.randint`` from the RNG seeded ``1337 + rank``.
+Rank 0 evaluates every ``eval_interval`` iterations and ``torch.save``s
+``out_dir/ckpt.pt`` in place; a start that finds ``ckpt.pt`` resumes from it
+(``init_from = "resume"``). Batches are random offsets drawn with ``torch.randint``
+from the RNG seeded ``1337 + rank``.
 """
 
 import json
@@ -33,7 +34,7 @@ eval_interval = 4
 eval_iters = 2
 log_interval = 1
 always_save_checkpoint = True
-init_from = "resume"  # resume from out_dir/ckpt.pt when there is one, else from scratch
+init_from = "resume"  # resume from out_dir/ckpt.pt if there is one, else from scratch
 batch_size = 4
 block_size = 16
 n_layer = 2
@@ -53,10 +54,13 @@ lr_decay_iters = 12
 min_lr = 1e-4
 backend = "gloo"
 step_sleep = 0.0  # for the kill test: time for a kill to land where it is aimed
-draws_log = ""  # for chapter 12's measurement: a digest of each rank's batch, each iteration
+draws_log = ""  # for chapter 12: log a digest of each rank's batch, each iteration
 # -----------------------------------------------------------------------------
-config_keys = [k for k, v in globals().items()
-               if not k.startswith("_") and isinstance(v, (int, float, bool, str))]  # fmt: skip
+config_keys = [
+    k
+    for k, v in globals().items()
+    if not k.startswith("_") and isinstance(v, (int, float, bool, str))
+]
 for arg in sys.argv[1:]:  # nanoGPT's configurator: --key=value overrides a default
     key, val = arg[2:].split("=", 1)
     assert key in globals(), f"unknown config key {key}"
@@ -85,9 +89,15 @@ def get_batch(split: str) -> tuple[torch.Tensor, torch.Tensor]:
     # recreate np.memmap every batch to avoid a memory leak, as nanoGPT does
     data = np.memmap(os.path.join(data_dir, f"{split}.bin"), dtype=np.uint16, mode="r")
     ix = torch.randint(len(data) - block_size, (batch_size,))
-    x = torch.stack([torch.from_numpy(data[i : i + block_size].astype(np.int64)) for i in ix])
-    y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + block_size].astype(np.int64))
-                     for i in ix])  # fmt: skip
+    x = torch.stack(
+        [torch.from_numpy(data[i : i + block_size].astype(np.int64)) for i in ix]
+    )
+    y = torch.stack(
+        [
+            torch.from_numpy(data[i + 1 : i + 1 + block_size].astype(np.int64))
+            for i in ix
+        ]
+    )
     return x, y
 
 
@@ -95,13 +105,20 @@ iter_num = 0
 best_val_loss = 1e9
 with open(os.path.join(data_dir, "meta.json")) as f:
     meta_vocab_size = json.load(f)["vocab_size"]
-model_args: dict[str, Any] = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-                                  block_size=block_size, bias=bias, vocab_size=meta_vocab_size,
-                                  dropout=dropout)  # fmt: skip
+model_args: dict[str, Any] = dict(
+    n_layer=n_layer,
+    n_head=n_head,
+    n_embd=n_embd,
+    block_size=block_size,
+    bias=bias,
+    vocab_size=meta_vocab_size,
+    dropout=dropout,
+)
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 checkpoint: Any = None
 if init_from == "resume" and os.path.exists(ckpt_path):
-    print(f"Resuming training from {out_dir}")
+    if master_process:  # one rank prints: lines of two ranks at once can interleave
+        print(f"Resuming training from {out_dir}")
     checkpoint = torch.load(ckpt_path, map_location="cpu")
     for k in ["n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size"]:
         model_args[k] = checkpoint["model_args"][k]
@@ -110,7 +127,8 @@ if init_from == "resume" and os.path.exists(ckpt_path):
     iter_num = checkpoint["iter_num"]
     best_val_loss = checkpoint["best_val_loss"]
 else:
-    print("Initializing a new model from scratch")
+    if master_process:
+        print("Initializing a new model from scratch")
     model = GPT(GPTConfig(**model_args))
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2))
 if checkpoint is not None:
@@ -152,7 +170,8 @@ while True:
     # evaluate the loss on train/val sets and write checkpoints
     if iter_num % eval_interval == 0 and master_process:
         losses = estimate_loss()
-        print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        train_loss, val_loss = losses["train"], losses["val"]
+        print(f"step {iter_num}: train loss {train_loss:.4f}, val loss {val_loss:.4f}")
         if losses["val"] < best_val_loss or always_save_checkpoint:
             best_val_loss = losses["val"]
             if iter_num > 0:
@@ -166,12 +185,13 @@ while True:
                 }
                 print(f"saving checkpoint to {out_dir}")
                 torch.save(checkpoint, ckpt_path)
-    if draws_log:  # for chapter 12's measurement: what this rank trains at this iteration
+    if draws_log:  # for chapter 12: what this rank trains at this iteration
         with open(f"{draws_log}.rank{ddp_rank}", "a") as log:
             log.write(f"{iter_num} {zlib.crc32(X.numpy().tobytes()):08x}\n")
     _, loss = train_model(X, Y)
     assert loss is not None
-    X, Y = get_batch("train")  # immediately fetch the next batch, as nanoGPT's prefetch does
+    # immediately fetch the next batch, as nanoGPT's prefetch does
+    X, Y = get_batch("train")
     loss.backward()
     if grad_clip != 0.0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -184,9 +204,11 @@ while True:
     if iter_num > max_iters:
         break
 
-if master_process:  # for the kill test: the weights the run ends with
-    torch.save({"model": model.state_dict(), "iter_num": iter_num},
-               os.path.join(out_dir, "final.pt"))  # fmt: skip
+if master_process:  # for the kill test: the final weights
+    torch.save(
+        {"model": model.state_dict(), "iter_num": iter_num},
+        os.path.join(out_dir, "final.pt"),
+    )
     print("done")
 if ddp:
     destroy_process_group()

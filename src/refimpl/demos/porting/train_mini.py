@@ -1,29 +1,33 @@
-"""train_mini.py: a trainer in MiniMind's style, with the five traps of chapter 12's second half.
+"""train_mini.py: a trainer in MiniMind's style, with the five traps of chapter 12's
+second half.
 
 Run it alone (one process; the traps are per process, DDP adds nothing to them)::
 
     python train_mini.py --out out [--trap reseed|loader|fp16|scaler|accum]
 
-What it does, as MiniMind's pretraining script does it: ``setup_seed(42 + epoch)`` at the top
-of every epoch; a ``DataLoader`` with two worker processes, shuffling, over a dataset whose
-``__getitem__`` draws a random augmentation; fp16 autocast with a ``GradScaler``; gradient
-accumulation; a checkpoint ``out/ckpt.pth`` every ``--save-every`` batches (``torch.save``
-then ``os.replace``); a start that finds it resumes there and skips the batches the epoch
-already trained. ``final.pt`` holds the final weights (the file the kill test compares).
+What it does, as MiniMind's pretraining script does it: ``setup_seed(42 + epoch)`` at
+the top of every epoch; a ``DataLoader`` with two worker processes, shuffling, over a
+dataset whose ``__getitem__`` draws a random augmentation; fp16 autocast with a
+``GradScaler``; gradient accumulation; a checkpoint ``out/ckpt.pth`` every
+``--save-every`` batches (``torch.save`` then ``os.replace``); a start that finds it
+resumes there and skips the batches the epoch already trained. ``final.pt`` holds the
+final weights (the file the kill test compares).
 
-Without ``--trap`` its resume is exact. Each ``--trap`` puts back one thing such scripts get
-wrong, and only that:
+Without ``--trap`` its resume is exact. Each ``--trap`` puts back one thing such
+scripts get wrong, and only that:
 
 - ``reseed``: the saved RNG state is restored right after loading, and the epoch's
   ``setup_seed(42 + epoch)`` then overwrites it;
-- ``loader``: restored after the reseed but before ``iter(loader)``, which draws the workers'
-  base seed and the shuffle's seed from the global RNG (the exact resume restores after it);
-- ``fp16``: the weights are saved as ``model.half()``'s (MiniMind's ``v.half()``) and loaded
-  back into the fp32 model;
-- ``scaler``: the ``GradScaler``'s state is not saved (a resume restarts at scale 65536);
-- ``accum``: saves land on ``step % save_every == 0`` (MiniMind's condition), in the middle of
-  an accumulation window, whose gradients no checkpoint holds (the exact resume saves only
-  right after an optimizer step).
+- ``loader``: restored after the reseed but before ``iter(loader)``, which draws the
+  workers' base seed and the shuffle's seed from the global RNG (the exact resume
+  restores after it);
+- ``fp16``: the weights are saved as ``model.half()``'s (MiniMind's ``v.half()``) and
+  loaded back into the fp32 model;
+- ``scaler``: the ``GradScaler``'s state is not saved (a resume restarts at scale
+  65536);
+- ``accum``: saves land on ``step % save_every == 0`` (MiniMind's condition), in the
+  middle of an accumulation window, whose gradients no checkpoint holds (the exact
+  resume saves only right after an optimizer step).
 """
 
 from __future__ import annotations
@@ -47,8 +51,8 @@ def setup_seed(seed: int) -> None:
 
 
 class PretrainDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """64 samples of 8 features; each read adds random noise (an augmentation), drawn in the
-    loader's worker process from the RNG the loader seeded it with."""
+    """64 samples of 8 features; each read adds random noise (an augmentation),
+    drawn in the loader's worker process from the RNG the loader seeded it with."""
 
     def __init__(self, n: int = 64) -> None:
         self.x = torch.randn(n, 8, generator=torch.Generator().manual_seed(5))
@@ -73,7 +77,10 @@ def main() -> None:
     trap, accum = args.trap, args.accumulation_steps
     setup_seed(42)
     model = torch.nn.Sequential(
-        torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 1)
+        torch.nn.Linear(8, 32),
+        torch.nn.GELU(),
+        torch.nn.Dropout(0.2),
+        torch.nn.Linear(32, 1),
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
     scaler = torch.amp.GradScaler("cpu", growth_interval=2)
@@ -97,7 +104,8 @@ def main() -> None:
         setup_seed(42 + epoch)
         resuming = bool(rng) and epoch == start_epoch
         if resuming and trap == "loader":
-            torch.set_rng_state(rng["torch"])  # before iter(loader), which draws from it
+            # before iter(loader), which draws from it
+            torch.set_rng_state(rng["torch"])
         batches = iter(loader)  # draws the workers' base seed and the shuffle's seed
         if resuming and trap not in ("reseed", "loader"):
             torch.set_rng_state(rng["torch"])  # the stream where the saved run was

@@ -20,13 +20,23 @@ from pathlib import Path
 import torch
 
 from refimpl.chaos import ChaosRow, run_chaos
+from refimpl.demos.porting import relative_paths
 from refimpl.demos.porting.train_mini import TRAPS
 
-__all__ = ["MINI", "TRAPS", "chaos_traps", "first_line_after_resume", "fp16_round_trip"]
+__all__ = [
+    "MINI",
+    "TRAPS",
+    "chaos_traps",
+    "first_line_after_resume",
+    "fp16_round_trip",
+]
 __all__ += ["mini_command"]
 
 MINI = Path(__file__).resolve().parent / "train_mini.py"
-"""The MiniMind-style trainer chapter 12 kill-tests."""
+"""The MiniMind-style trainer chapter 12 kill-tests (``train_mini.py`` beside this module).
+
+:meta hide-value:
+"""
 
 KILL_ON = r"^Epoch:\[2/2\]\(9/"
 """Where every run is killed: the line of epoch 2's batch 9 (0-based)."""
@@ -43,7 +53,15 @@ def mini_command(trap: str | None = None, *, step_sleep: float = 0.05) -> list[s
     if trap is not None and trap not in TRAPS:
         raise ValueError(f"unknown trap {trap!r}: one of {', '.join(TRAPS)}, or None")
     flags = ["--trap", trap] if trap is not None else []
-    return [sys.executable, str(MINI), "--out", "{out}", "--step-sleep", str(step_sleep), *flags]
+    return [
+        sys.executable,
+        str(MINI),
+        "--out",
+        "{out}",
+        "--step-sleep",
+        str(step_sleep),
+        *flags,
+    ]
 
 
 def chaos_traps(
@@ -55,7 +73,7 @@ def chaos_traps(
     """The kill test (``kill-job`` at `KILL_ON`) on each variant of ``traps`` (None: the exact
     resume); one row each. The reference runs once, into ``work/reference``, unless it is
     already there; each variant's runs go to ``work/TRAP`` (``work/exact`` for None), which
-    must not exist yet. Raises `refimpl.chaos.ChaosError` when a run cannot be judged."""
+    must not exist yet; the rows show paths relative to ``work``. Raises `refimpl.chaos.ChaosError` when a run cannot be judged."""
     base = Path(work)
     reference = base / "reference"
     if not (reference / "reference" / "final.pt").is_file():
@@ -70,7 +88,7 @@ def chaos_traps(
         )
     rows = {}
     for trap in traps:
-        (rows[trap],) = run_chaos(
+        (row,) = run_chaos(
             mini_command(trap),
             kill_on=KILL_ON,
             compare="final.pt",
@@ -80,6 +98,7 @@ def chaos_traps(
             env=ONE_THREAD,
             reference=reference / "reference",
         )
+        rows[trap] = relative_paths(row, base)
     return rows
 
 
