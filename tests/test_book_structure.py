@@ -409,3 +409,53 @@ def test_the_test_order_table_names_only_files_that_exist() -> None:
         expected_seconds("notebooks/10_fault_tolerant_training.ipynb::Cell 3")
         == _SECONDS["notebooks/10_fault_tolerant_training.ipynb"]
     )
+
+
+def _book_words_tool():  # type: ignore[no-untyped-def]
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("book_words", ROOT / "tools" / "book_words.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["book_words"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_main_text_stays_within_the_word_targets() -> None:
+    """Issue 40's targets: at most 4,500 words of main text (prose outside collapsed blocks)
+    per chapter, under 40,000 for the book; depth goes into dropdowns, not into the page."""
+    tool = _book_words_tool()
+    rows = tool.book_words()
+    assert len(rows) == len(CHAPTERS)
+    over = {r.path.name: r.main for r in rows if r.main > tool.CHAPTER_LIMIT}
+    assert not over, f"chapters over {tool.CHAPTER_LIMIT} words of main text: {over}"
+    total = sum(r.main for r in rows)
+    assert total < tool.BOOK_LIMIT, f"{total} words of main text in all"
+
+
+def test_the_word_count_leaves_out_code_and_collapsed_blocks() -> None:
+    tool = _book_words_tool()
+    source = "\n".join(
+        [
+            "One two three.",
+            "```python",
+            "x = 1  # not prose",
+            "```",
+            "```{dropdown} Deep dive",
+            "four five six seven",
+            "```",
+            "```{admonition} Answers",
+            ":class: dropdown",
+            "eight nine",
+            "```",
+            "```{note}",
+            "Ten eleven.",
+            "```",
+            "<!-- a comment -->",
+            "% a MyST comment",
+        ]
+    )
+    # main: 3 + the two visible titles (2 + 1) + 2; collapsed: 4 + 2
+    assert tool.markdown_words(source) == (8, 6)

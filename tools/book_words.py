@@ -5,8 +5,9 @@ Usage: ``python tools/book_words.py [notebooks/NN_x.ipynb ...]`` (default: every
 Main text is the markdown cells' prose outside collapsed blocks. Left out: fenced code
 (```` ``` ```` / ``~~~`` blocks whose info string is not a MyST directive), MyST directives with
 ``:class: dropdown`` or of kind ``dropdown``/``toggle`` (the depth a reader opens on demand),
-HTML and MyST comments (``<!-- -->``, lines starting ``%``), and figure/image directives'
-options. A directive that is not collapsed (a note, a figure's caption) counts as main text.
+HTML and MyST comments (``<!-- -->``, lines starting ``%``), and directives' options. A
+collapsed block's title counts as main text (the reader sees it and clicks it), and so does a
+directive that is not collapsed (a note, a figure's caption).
 The targets (issue 40): at most ``CHAPTER_LIMIT`` words per chapter, under ``BOOK_LIMIT`` for
 the whole book; ``tests/test_book_structure.py`` checks them.
 """
@@ -57,8 +58,10 @@ def markdown_words(source: str) -> tuple[int, int]:
             is_code = kind is None and not marker.startswith(":")
             outer_collapsed = bool(stack) and stack[-1][2]
             stack.append((marker, is_code, outer_collapsed or kind in _COLLAPSED_KINDS))
+            # A title is seen even when its block is collapsed (it is what the reader clicks).
+            outer_hidden = len(stack) > 1 and stack[-2][2]
             title = "" if is_code else match.group(5)
-            if stack[-1][2]:
+            if outer_hidden:
                 collapsed += _count(title)
             else:
                 main += _count(title)
