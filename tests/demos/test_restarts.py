@@ -1,5 +1,7 @@
-"""Chapter 10's restart runs (`refimpl.demos.restarts`): a save stuck forever under
-``--step-timeout`` ends in a restart and bit-identical weights; R's parts read from the logs."""
+"""Chapter 10's restart runs (`refimpl.demos.restarts`): R's parts read from the logs, and the
+reference run made once per directory. The runs themselves (the README's command killed, a
+save stuck forever under ``--step-timeout``) are chapter 10's cells, whose output nbval
+compares line by line (the reaping signal, the resume step, the verdict)."""
 
 from __future__ import annotations
 
@@ -10,27 +12,8 @@ import pytest
 import torch
 
 from refimpl.demos import restarts
-from refimpl.demos.restarts import PARTS, readme_runs, split_restarts, stuck_save
+from refimpl.demos.restarts import PARTS, readme_runs, split_restarts
 from refimpl.demos.train import TrainRun
-from refimpl.train._watchdog import REAP_SIGNAL
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_a_save_stuck_forever_is_killed_and_the_job_finishes_bit_identical(
-    tmp_path: Path,
-) -> None:
-    result = stuck_save(tmp_path, step_timeout=5, hang_at=10)
-    assert result["ref_ok"] and result["returncode"] == 0, result
-    assert "[rank0] injected hang: the save of step 10 blocks forever" in result["trainer"]
-    assert "[rank0] resumed from step_5" in result["trainer"]
-    sig = int(REAP_SIGNAL)  # SIGPIPE, 13
-    assert any(f"exitcode: -{sig}" in line for line in result["agent"]), result["agent"]
-    # whichever rank's timer the server reaps first (a race), it was ended by REAP_SIGNAL
-    ended = result["ended"]
-    assert ended and {s for _, s in ended} == {sig} and {r for r, _ in ended} <= {0, 1}, ended
-    assert f"ended a worker of the stuck save after 5 s (signal {sig})" in result["verdict"]
-    assert result["identical"], result["verdict"]
 
 
 @pytest.mark.timeout(10)
