@@ -15,11 +15,13 @@ LAB_PORT ?= 8888
 NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=300
 # Test workers (pytest-xdist), one file per work unit: a notebook's cells run in order in one
 # kernel, and a test file runs whole on one worker. TEST_WORKERS=0 runs everything in order.
-# Two, one per core: with four, the suite saturates both cores and the chapters' measured
-# shapes (chapter 1's all-reduce against its memcpy floor) and the elastic runs' heartbeats
-# start to fail under the contention. Files are handed out longest first (tests/conftest.py;
-# --no-loadscope-reorder keeps that order), so no worker is left with a long file at the end.
-TEST_WORKERS ?= 2
+# Three: two take any file, longest first (tests/conftest.py; --no-loadscope-reorder keeps
+# that order), so no worker is left with a long file at the end; the third takes only the
+# files that mostly wait (timeouts, stalls, restarts) and use little CPU (conftest's _LIGHT),
+# filling the time the cores would sit idle. Never three CPU-heavy files on the two cores:
+# then the chapters' measured shapes (chapter 1's all-reduce against its memcpy floor) and
+# the elastic runs' heartbeats start to fail under the contention.
+TEST_WORKERS ?= 3
 PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 export PYTHONHASHSEED := 0
 # Notebooks show figures through the inline backend; an inherited MPLBACKEND=Agg hides them.
