@@ -143,11 +143,31 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> LoadFil
     return _LightLaneScheduling(config, log)
 
 
+def _forkserver_cpu_seconds() -> float:
+    """CPU time of multiprocessing's fork server and the ranks it forked and reaped.
+
+    `refimpl.launch.spawn` starts ranks from a fork server that lives as long as the worker,
+    so the ranks' time never reaches this process's children's total; /proc has it.
+    """
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if not pid:
+        return 0.0
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    utime, stime, cutime, cstime = (int(x) for x in stat.rsplit(")", 1)[1].split()[11:15])
+    return (utime + stime + cutime + cstime) / os.sysconf("SC_CLK_TCK")
+
+
 def _cpu_seconds() -> float:
-    """CPU time of this process and of every child it (or they, recursively) reaped."""
+    """CPU time of this process, of every child it (or they, recursively) reaped, and of the
+    ranks its fork server started."""
     own = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + _forkserver_cpu_seconds()
 
 
 @pytest.hookimpl(hookwrapper=True)
