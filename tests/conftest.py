@@ -41,6 +41,7 @@ _SECONDS = {
     "notebooks/11_how_often_and_at_scale.ipynb": 125,
     "tests/demos/test_chaos_trainers.py": 89,
     "tests/demos/test_reader_trainer.py": 34,
+    "tests/demos/test_two_writers.py": 10,
     "tests/test_dirlock.py": 85,
     "notebooks/12_porting_an_existing_script.ipynb": 150,
     "tests/test_launch.py": 95,
