@@ -266,7 +266,7 @@ def test_resave_killed_at_random_points_never_loses_the_step(tmp_path: Path) -> 
 
     from workers.launch import resave_forever
 
-    from refimpl.launch import _forkserver_preload
+    from refimpl.launch._spawn import _forkserver_preload
 
     # Each saver is forked from a server that has torch imported: ~10 ms to start instead of
     # the ~2 s of a fresh interpreter, so the kills land in saves, not in imports.

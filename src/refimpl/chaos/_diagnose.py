@@ -147,7 +147,7 @@ def own_group_hint(lines: Sequence[str], env: Mapping[str, str]) -> str | None:
     texts = [split_rank(ln) for ln in lines]
     under_torchrun = any(rank is not None for rank, _ in texts)
     in_init = any("init_process_group" in t for r, t in texts if r is not None)
-    refimpl = any("_torchrun_init.py" in t for _, t in texts)
+    refimpl = any("refimpl/launch/_torchrun.py" in t for _, t in texts)  # init_from_env's file
     if not (under_torchrun and in_init) or refimpl:
         return None
     if env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":

@@ -1,6 +1,6 @@
 """The plumbing of one rank's process: how `refimpl.launch.spawn` starts, sets up and kills it.
 
-Kept apart from `refimpl.launch` so the launcher's logic (what to wait for, which failure is
+Kept apart from `refimpl.launch._spawn` so the launcher's logic (what to wait for, which failure is
 the root cause) reads without the operating-system details (process groups, death signals,
 file descriptors).
 """
