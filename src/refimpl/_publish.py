@@ -25,7 +25,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from refimpl.atomic import _OWNER, _pid_alive, fsync_dir, temp_path
+from refimpl._system.proc import pid_alive
+from refimpl.atomic import _OWNER, fsync_dir, temp_path
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def restore_asides(root: Path, *, steps: re.Pattern[str]) -> list[Path]:
         if entry.is_symlink() or not entry.is_dir():
             continue
         ours = match["owner"] == _OWNER
-        if ours and _pid_alive(int(match["pid"])):
+        if ours and pid_alive(int(match["pid"])):
             continue
         final = entry.with_name(match["base"])
         if final.exists() or final.is_symlink():

@@ -26,13 +26,14 @@ import shutil
 import socket
 import warnings
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 import xxhash
 
+from refimpl._system import disk, proc
+from refimpl._system.disk import fsync_dir
 from refimpl._write_errors import WatchedFile, advice, interrupt_in, root_oserror
 
 __all__ = [
@@ -67,13 +68,8 @@ def _owner_tag() -> str:
     shared volume can both have a writer with pid 7. Only temps carrying our own tag can be
     checked with ``kill(pid, 0)``; everyone else's are left alone.
     """
-    parts = [socket.gethostname()]
-    for source in ("/proc/sys/kernel/random/boot_id",):
-        with contextlib.suppress(OSError):
-            parts.append(Path(source).read_text().strip())
-    with contextlib.suppress(OSError):
-        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:8]
+    parts = [socket.gethostname(), proc.boot_id(), proc.pid_namespace()]
+    return hashlib.sha256("|".join(p for p in parts if p is not None).encode()).hexdigest()[:8]
 
 
 _OWNER = _owner_tag()
@@ -97,8 +93,7 @@ def temp_path(path: str | os.PathLike[str]) -> Path:
     return path.with_name(f".{base}{TEMP_TAG}{_OWNER}-{os.getpid()}-{secrets.token_hex(4)}")
 
 
-# Indirections the fault injection (refimpl.demos.io_faults) swaps to inject ENOSPC / EIO.
-_fsync: Callable[[int], None] = os.fsync
+# An indirection the fault injection (refimpl.demos.io_faults) swaps, as it swaps disk.fsync.
 _replace: Callable[[Any, Any], None] = os.replace
 
 
@@ -137,21 +132,6 @@ class _HashingFile:
 
     def flush(self) -> None:
         self._f.flush()
-
-
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """``fsync`` a directory, making the creations and renames inside it durable.
-
-    A rename only changes the directory; until the directory is synced, a power cut can
-    bring back the old entry. Windows cannot open a directory, so this is a no-op there.
-    """
-    if os.name == "nt":
-        return
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        _fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def atomic_write(
@@ -211,7 +191,7 @@ def atomic_write(
             stage = "write"
             watched.flush()  # Python's buffer -> the kernel
             if durable:
-                _fsync(f.fileno())  # the kernel's page cache -> the disk
+                disk.fsync(f.fileno())  # the kernel's page cache -> the disk
         _replace(tmp, path)  # atomic on POSIX: the old file or the new one, never a mix
         stage = "sync"
         if durable:
@@ -278,51 +258,6 @@ def atomic_save(obj: Any, path: str | os.PathLike[str], *, durable: bool = True)
     return Path(path)
 
 
-_FSYNC_THREADS = 8
-_fsync_pool: ThreadPoolExecutor | None = None
-
-
-def _forget_pool() -> None:  # a forked child has the pool object but none of its threads
-    global _fsync_pool
-    _fsync_pool = None
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool)
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        _fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    """fsync every file, then every directory bottom-up, under ``root``.
-
-    The files of a directory are fsynced concurrently: one after another, each fsync waits
-    for its own journal commit (14 small files cost 14 commits); issued together, the
-    filesystem folds them into one (ext4 and xfs commit concurrent fsyncs as a group). Every
-    one has returned, or the first error is raised, before the directory is fsynced.
-    """
-    global _fsync_pool
-    for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
-        paths = [os.path.join(dirpath, name) for name in filenames]
-        if _fsync_pool is None and len(paths) > 1:
-            _fsync_pool = ThreadPoolExecutor(_FSYNC_THREADS, thread_name_prefix="fsync")
-        try:
-            pending = [_fsync_pool.submit(_fsync_path, p) for p in paths] if _fsync_pool else []
-        except RuntimeError:  # at interpreter exit (a background save finishing): one by one
-            pending = []
-        for done in pending:
-            done.result()  # waits for all of them; raises the first failure
-        for path in paths if not pending else []:
-            _fsync_path(path)
-        fsync_dir(dirpath)
-
-
 @contextlib.contextmanager
 def atomic_dir(
     path: str | os.PathLike[str], *, marker: str | None = COMMIT_MARKER, durable: bool = True
@@ -354,7 +289,7 @@ def atomic_dir(
         if marker is not None:
             (tmp / marker).touch()  # written last: its presence means "everything is here"
         if durable:
-            _fsync_tree(tmp)
+            disk.fsync_tree(tmp)
         os.rename(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -368,16 +303,6 @@ def atomic_dir(
                 f"{path} was published, but syncing {path.parent} failed ({exc.strerror}): "
                 "it may not survive a power cut. Check the disk (dmesg)",
             ) from exc
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
 
 
 def remove_stale_temps(
@@ -403,7 +328,7 @@ def remove_stale_temps(
             continue
         if base is not None and match["base"] != base:
             continue
-        if _pid_alive(int(match["pid"])):  # our own pid counts as alive
+        if proc.pid_alive(int(match["pid"])):  # our own pid counts as alive
             continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)

@@ -17,6 +17,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from refimpl._processes import env_of, signal_all, split_rank, workers
+from refimpl._system import proc
 
 _STACK_WAIT_S = 10.0  # at most, for the aborted workers to exit (a loaded machine is slow)
 _TAIL_S = 0.5  # then for torchrun's tail of their stderr (it polls every 0.1 s) to pass it on
@@ -111,11 +112,7 @@ def rank_report(lines: Sequence[str], n: int = 6) -> str:
 
 def _alive(pid: int) -> bool:
     """Whether ``pid`` still runs (a zombie has finished writing: it counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False
+    return proc.state(pid) not in (None, "Z")
 
 
 def probe_stall(root: int, token: str) -> str:

@@ -30,11 +30,11 @@ from refimpl._pack import PACK as _PACK
 from refimpl._pack import KeyRange, KeyWindow, write_pack
 from refimpl._publish import publish_dir, restore_asides
 from refimpl._regular_file import read_regular
+from refimpl._system import disk
 from refimpl._write_errors import advice, root_oserror
 from refimpl.atomic import (
     COMMIT_MARKER,
     DIGESTS,
-    _fsync_tree,
     atomic_write,
     fsync_dir,
     remove_stale_temps,
@@ -419,7 +419,7 @@ def save_checkpoint(
         (tmp / COMMIT_MARKER).touch()  # written last: its presence means "everything is here"
         writing = "the step (fsync)"
         if durable:
-            _fsync_tree(tmp)
+            disk.fsync_tree(tmp)
         writing = f"the step (publishing it as {final.name})"
         publish_dir(tmp, final)
         writing = f"the step (syncing {root})"

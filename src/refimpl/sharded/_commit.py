@@ -20,10 +20,10 @@ import torch
 from refimpl import __version__
 from refimpl._manifest import MAX_MANIFEST_BYTES
 from refimpl._regular_file import is_regular, open_regular, read_regular
+from refimpl._system import disk
 from refimpl.atomic import (
     COMMIT_MARKER,
     DIGESTS,
-    _fsync,
     atomic_write,
 )
 from refimpl.checkpoint._files import _STEP_RE, DIGEST, MANIFEST, CheckpointError
@@ -58,7 +58,7 @@ def digest_files(directory: Path, names: Iterable[str]) -> dict[str, dict[str, A
     for name in names:
         digest = DIGESTS[DIGEST]()
         with os.fdopen(open_regular(directory / name), "rb") as f:  # no FIFO, device, link
-            _fsync(f.fileno())
+            disk.fsync(f.fileno())
             while chunk := f.read(_CHUNK):
                 digest.update(chunk)
             out[name] = {"bytes": os.fstat(f.fileno()).st_size, DIGEST: digest.hexdigest()}

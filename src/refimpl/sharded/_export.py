@@ -23,7 +23,8 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 from refimpl._publish import publish_dir
-from refimpl.atomic import COMMIT_MARKER, _fsync_tree, fsync_dir, remove_stale_temps, temp_path
+from refimpl._system import disk
+from refimpl.atomic import COMMIT_MARKER, fsync_dir, remove_stale_temps, temp_path
 from refimpl.checkpoint import MANIFEST, CheckpointError
 from refimpl.sharded._commit import verify_step
 from refimpl.sharded._errors import LOAD_ADVICE, dcp_errors
@@ -204,7 +205,7 @@ def write_export(
                 },
             }
             (tmp / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        _fsync_tree(tmp)
+        disk.fsync_tree(tmp)
         found = checkpoint_under(out_dir) if out_dir.is_dir() else None
         if found is not None:  # saved there while we exported: swapping would lose it
             raise ValueError(f"{out_dir} now holds a checkpoint ({found}): export elsewhere")

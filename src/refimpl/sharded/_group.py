@@ -29,7 +29,8 @@ from typing import Any
 import torch.distributed as dist
 
 from refimpl._publish import publish_dir
-from refimpl.atomic import _fsync_tree, fsync_dir, remove_stale_temps, temp_path
+from refimpl._system import disk
+from refimpl.atomic import fsync_dir, remove_stale_temps, temp_path
 from refimpl.checkpoint._files import _prune, step_dir_name
 from refimpl.sharded._commit import METADATA, digest_files, own_shards, write_manifest
 from refimpl.sharded._errors import ShardedCheckpointError
@@ -123,7 +124,7 @@ def _publish_step(
         if present != set(files):
             return f"rank 0 found files no rank reported in {tmp}: {sorted(present - set(files))}"
         write_manifest(tmp, step, files, world)
-        _fsync_tree(tmp)
+        disk.fsync_tree(tmp)
         publish_dir(tmp, final)
         fsync_dir(final.parent)
     except OSError as exc:
