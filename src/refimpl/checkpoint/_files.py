@@ -28,17 +28,13 @@ from refimpl._manifest import (
 )
 from refimpl._pack import PACK as _PACK
 from refimpl._pack import KeyRange, KeyWindow, write_pack
-from refimpl._publish import publish_dir, restore_asides
+from refimpl._publish import Stage, publish_dir, restore_asides, temp_dir, temp_path
 from refimpl._regular_file import read_regular
-from refimpl._system import disk
 from refimpl._write_errors import advice, root_oserror
 from refimpl.atomic import (
     COMMIT_MARKER,
     DIGESTS,
     atomic_write,
-    fsync_dir,
-    remove_stale_temps,
-    temp_path,
 )
 
 MANIFEST = "MANIFEST.json"
@@ -388,11 +384,20 @@ def save_checkpoint(
     final = root / step_dir_name(step)
     _validate(state, final)
     root.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(root)
-    tmp = temp_path(final)
+    tmp: Path | None = None
     writing = "its temporary directory"  # what a failure names: never the temp's own name
+    stages: dict[Stage, str] = {
+        "fsync": "the step (fsync)",
+        "publish": f"the step (publishing it as {final.name})",
+        "fsync-parent": f"the step (syncing {root})",
+    }
+
+    def stage(now: Stage) -> None:
+        nonlocal writing
+        writing = stages[now]
+
     try:
-        tmp.mkdir()
+        tmp = temp_dir(final, sweep="parent")
         ranges: dict[str, KeyRange] = {}
 
         def started(key: str) -> None:
@@ -417,16 +422,10 @@ def save_checkpoint(
         )
         writing = COMMIT_MARKER
         (tmp / COMMIT_MARKER).touch()  # written last: its presence means "everything is here"
-        writing = "the step (fsync)"
-        if durable:
-            disk.fsync_tree(tmp)
-        writing = f"the step (publishing it as {final.name})"
-        publish_dir(tmp, final)
-        writing = f"the step (syncing {root})"
-        if durable:
-            fsync_dir(root)
+        publish_dir(tmp, final, replace=True, durable=durable, stage=stage)
     except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         err = root_oserror(exc, innermost=True) or exc
         raise CheckpointError(
             final,
@@ -435,7 +434,8 @@ def save_checkpoint(
             "intact and the temporary files were removed.",
         ) from exc
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     if keep_last is not None:
         _prune(root, keep_last, step)

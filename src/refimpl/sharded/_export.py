@@ -22,9 +22,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-from refimpl._publish import publish_dir
-from refimpl._system import disk
-from refimpl.atomic import COMMIT_MARKER, fsync_dir, remove_stale_temps, temp_path
+from refimpl._publish import staged_dir
+from refimpl.atomic import COMMIT_MARKER
 from refimpl.checkpoint import MANIFEST, CheckpointError
 from refimpl.sharded._commit import verify_step
 from refimpl.sharded._errors import LOAD_ADVICE, dcp_errors
@@ -187,10 +186,8 @@ def write_export(
     if out_dir.exists() and not out_dir.is_dir():
         raise NotADirectoryError(f"{out_dir} is a file: export_hf writes a directory")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(out_dir.parent, target=out_dir.name)  # what a killed export left
-    tmp = temp_path(out_dir)
-    tmp.mkdir()
-    try:
+    # the sweep takes what a killed export left; an old export is swapped out atomically
+    with staged_dir(out_dir, replace=True, sweep="target") as tmp:
         if out_dir.is_dir():
             _carry_over(out_dir, tmp)
         for file, group in zip(names, groups, strict=True):
@@ -205,15 +202,9 @@ def write_export(
                 },
             }
             (tmp / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        disk.fsync_tree(tmp)
         found = checkpoint_under(out_dir) if out_dir.is_dir() else None
         if found is not None:  # saved there while we exported: swapping would lose it
             raise ValueError(f"{out_dir} now holds a checkpoint ({found}): export elsewhere")
-        publish_dir(tmp, out_dir)  # one rename, or an atomic exchange with the old export
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fsync_dir(out_dir.parent)
     return [out_dir / f for f in names] + ([out_dir / INDEX] if n > 1 else [])
 
 
