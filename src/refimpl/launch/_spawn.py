@@ -229,9 +229,19 @@ def spawn(
     job = f"{os.getpid()}-{os.urandom(6).hex()}"
     try:
         return _run(
-            ctx, fn, world_size, args, backend, pg_timeout_s, rank_output, run_dir, job, procs,
-            deadline, timeout_s,
-        )  # fmt: skip
+            ctx,
+            fn,
+            world_size,
+            args,
+            backend=backend,
+            pg_timeout_s=pg_timeout_s,
+            rank_output=rank_output,
+            run_dir=run_dir,
+            job=job,
+            procs=procs,
+            deadline=deadline,
+            timeout_s=timeout_s,
+        )
     finally:
         kill_all(procs, job)
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -251,6 +261,7 @@ def _run(
     fn: Callable[..., Any],
     world_size: int,
     args: tuple[Any, ...],
+    *,
     backend: str,
     pg_timeout_s: float,
     rank_output: str,

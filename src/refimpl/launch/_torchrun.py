@@ -91,8 +91,9 @@ def attempt_store(rank: int, world_size: int, timeout_s: float) -> Store:
     where = f"torchrun's store at {addr}:{port}"
     deadline = time.monotonic() + timeout_s
     token_key = _token_key()
-    base = TCPStore(addr, port, world_size, is_master=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+    base = TCPStore(
+        addr, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
     if rank == 0:
         token = os.urandom(8).hex()
         base.set(token_key, token)

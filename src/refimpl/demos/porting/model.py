@@ -41,8 +41,10 @@ class _SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.size()
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-                   for t in self.c_attn(x).split(C, dim=2))  # fmt: skip
+        q, k, v = (
+            t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+            for t in self.c_attn(x).split(C, dim=2)
+        )
         p = self.dropout if self.training else 0.0  # attention dropout draws from the RNG too
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         out: torch.Tensor = self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, C)))
@@ -55,9 +57,12 @@ class _Block(nn.Module):
         self.ln_1 = nn.LayerNorm(c.n_embd, bias=c.bias)
         self.attn = _SelfAttention(c)
         self.ln_2 = nn.LayerNorm(c.n_embd, bias=c.bias)
-        self.mlp = nn.Sequential(nn.Linear(c.n_embd, 4 * c.n_embd, bias=c.bias), nn.GELU(),
-                                 nn.Linear(4 * c.n_embd, c.n_embd, bias=c.bias),
-                                 nn.Dropout(c.dropout))  # fmt: skip
+        self.mlp = nn.Sequential(
+            nn.Linear(c.n_embd, 4 * c.n_embd, bias=c.bias),
+            nn.GELU(),
+            nn.Linear(4 * c.n_embd, c.n_embd, bias=c.bias),
+            nn.Dropout(c.dropout),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -71,13 +76,15 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = c = config
-        self.transformer = nn.ModuleDict({
-            "wte": nn.Embedding(c.vocab_size, c.n_embd),
-            "wpe": nn.Embedding(c.block_size, c.n_embd),
-            "drop": nn.Dropout(c.dropout),
-            "h": nn.ModuleList([_Block(c) for _ in range(c.n_layer)]),
-            "ln_f": nn.LayerNorm(c.n_embd, bias=c.bias),
-        })  # fmt: skip
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(c.vocab_size, c.n_embd),
+                "wpe": nn.Embedding(c.block_size, c.n_embd),
+                "drop": nn.Dropout(c.dropout),
+                "h": nn.ModuleList([_Block(c) for _ in range(c.n_layer)]),
+                "ln_f": nn.LayerNorm(c.n_embd, bias=c.bias),
+            }
+        )
         self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
         self.transformer["wte"].weight = self.lm_head.weight  # weight tying, as in nanoGPT
         for name, p in self.named_parameters():  # nanoGPT's init: it draws from the RNG
@@ -103,6 +110,8 @@ class GPT(nn.Module):
     ) -> torch.optim.AdamW:
         """AdamW with weight decay on the matrices only (nanoGPT's two groups)."""
         params = [p for p in self.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas)
