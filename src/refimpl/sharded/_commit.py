@@ -26,7 +26,7 @@ from refimpl.atomic import (
     DIGESTS,
     atomic_write,
 )
-from refimpl.checkpoint._files import _STEP_RE, DIGEST, MANIFEST, CheckpointError
+from refimpl.checkpoint._files import DIGEST, MANIFEST, STEP_RE, CheckpointError
 from refimpl.sharded._dcp_metadata import SHARD_NAME_RE, UnsafeMetadata, check_metadata
 from refimpl.sharded._seen import Seen, after_hashing, before_hashing
 
@@ -202,7 +202,7 @@ def _verify_step(step_dir: Path, seen: dict[str, Seen]) -> dict[str, Any]:
         check_metadata(step_dir / METADATA, sizes, expect=expected[METADATA])
     except (UnsafeMetadata, OSError) as exc:
         raise CheckpointError(step_dir / METADATA, f"refused before DCP opened it: {exc}") from exc
-    named = _STEP_RE.fullmatch(step_dir.name)
+    named = STEP_RE.fullmatch(step_dir.name)
     if type(manifest.get("step")) is not int or (named and int(named[1]) != manifest["step"]):
         raise CheckpointError(
             step_dir / MANIFEST, f"says step {manifest.get('step')!r}, not this one"

@@ -29,7 +29,7 @@ from typing import Any
 import torch.distributed as dist
 
 from refimpl._publish import publish_dir, temp_dir
-from refimpl.checkpoint._files import _prune, step_dir_name
+from refimpl.checkpoint._files import prune, step_dir_name
 from refimpl.sharded._commit import METADATA, digest_files, own_shards, write_manifest
 from refimpl.sharded._errors import ShardedCheckpointError
 
@@ -125,7 +125,7 @@ def _publish_step(
         return f"rank 0 could not commit {final} ({exc})"
     if keep_last is not None:
         try:
-            _prune(final.parent, keep_last, step)
+            prune(final.parent, keep_last, step)
         except OSError as exc:  # the step is committed; only the clean-up failed
             logger.warning("save_sharded: step %d committed, pruning failed (%s)", step, exc)
     return None
