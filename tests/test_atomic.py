@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
+from refimpl._publish import OWNER
 from refimpl.atomic import (
-    _OWNER,
     COMMIT_MARKER,
     TEMP_TAG,
     atomic_dir,
@@ -137,7 +137,7 @@ def test_atomic_dir_refuses_an_existing_target(tmp_path: Path) -> None:
         pass
 
 
-def _temp(directory: Path, target: str, pid: int, owner: str = _OWNER) -> Path:
+def _temp(directory: Path, target: str, pid: int, owner: str = OWNER) -> Path:
     return directory / f".{target}{TEMP_TAG}{owner}-{pid}-abcd1234"
 
 
@@ -330,3 +330,28 @@ def test_a_non_disk_error_does_not_say_check_the_disk(tmp_path: Path) -> None:
         atomic_save({"v": 1}, tmp_path / "adir")
     text = str(info.value).replace(str(tmp_path), "TMP")
     assert "disk" not in text and "is a directory" in text and TEMP_TAG not in text, text
+
+
+def test_a_failed_parent_fsync_after_atomic_dir_published_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """atomic_dir publishes through the same layer as both checkpoint formats: when only the
+    parent's fsync fails, the directory is in place and the error says it may not survive."""
+    from refimpl._system import disk
+
+    real = disk.fsync_dir
+
+    def failing_parent_sync(path: str | os.PathLike[str]) -> None:
+        if Path(path) == tmp_path:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real(path)
+
+    monkeypatch.setattr(disk, "fsync_dir", failing_parent_sync)
+    with (
+        pytest.raises(OSError, match="may not survive a power cut") as info,
+        atomic_dir(tmp_path / "d") as tmp,
+    ):
+        (tmp / "x").write_bytes(b"x")
+    assert info.value.errno == errno.EIO
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == [COMMIT_MARKER, "x"]
+    assert _temps(tmp_path) == []

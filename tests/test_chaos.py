@@ -881,3 +881,21 @@ def test_the_traceback_shown_is_the_root_cause_ranks_last_one() -> None:
         'Traceback (most recent call last):\n  File "train.py", line 9, in <module>\n'
         "RuntimeError: Connection reset by peer",
     )
+
+
+def test_no_known_cause_hint_when_the_group_came_from_init_from_env() -> None:
+    """A rank stuck in init_process_group called by refimpl's own `init_from_env` (its frame
+    names the file that defines it) already has fresh keys per attempt: no hint then."""
+    from refimpl.chaos._diagnose import own_group_hint
+    from refimpl.launch import init_from_env
+
+    source = init_from_env.__code__.co_filename
+    stuck = [
+        "[rank0]:Traceback (most recent call last):",
+        f'[rank0]:  File "{source}", line 200, in init_from_env',
+        '[rank0]:  File "/x/torch/distributed/distributed_c10d.py", line 9, in init_process_group',
+    ]
+    assert own_group_hint(stuck, {}) is None
+    own = [stuck[0], '[rank0]:  File "/w/train.py", line 3, in <module>', stuck[2]]
+    hint = own_group_hint(own, {})
+    assert hint is not None and "refimpl.launch.init_from_env()" in hint

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from refimpl.atomic import _OWNER, COMMIT_MARKER, TEMP_TAG
+from refimpl._publish import OWNER
+from refimpl.atomic import COMMIT_MARKER, TEMP_TAG
 from refimpl.checkpoint import (
     MANIFEST,
     PACK,
@@ -168,10 +169,10 @@ def test_a_failed_resave_restores_the_old_copy_of_that_step(tmp_path: Path) -> N
 
 def test_stale_temps_are_cleaned_on_the_next_save(tmp_path: Path) -> None:
     save_checkpoint(tmp_path, make_state(1, 10), 1)
-    stale_dir = tmp_path / f".step_00000002{TEMP_TAG}{_OWNER}-{DEAD_PID}-00000001"
+    stale_dir = tmp_path / f".step_00000002{TEMP_TAG}{OWNER}-{DEAD_PID}-00000001"
     stale_dir.mkdir()
     (stale_dir / "model.pt").write_bytes(b"half")
-    (tmp_path / f".MANIFEST.json{TEMP_TAG}{_OWNER}-{DEAD_PID}-00000002").write_bytes(b"{")
+    (tmp_path / f".MANIFEST.json{TEMP_TAG}{OWNER}-{DEAD_PID}-00000002").write_bytes(b"{")
     assert load_latest(tmp_path)[0] == 1  # type: ignore[index]  # temps are never candidates
     save_checkpoint(tmp_path, make_state(2, 10), 2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000002"]
@@ -266,7 +267,7 @@ def test_resave_killed_at_random_points_never_loses_the_step(tmp_path: Path) -> 
 
     from workers.launch import resave_forever
 
-    from refimpl.launch import _forkserver_preload
+    from refimpl.launch._spawn import _forkserver_preload
 
     # Each saver is forked from a server that has torch imported: ~10 ms to start instead of
     # the ~2 s of a fresh interpreter, so the kills land in saves, not in imports.

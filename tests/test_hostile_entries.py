@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from refimpl.atomic import _OWNER
+from refimpl._publish import OWNER
 from refimpl.checkpoint import list_checkpoints, load_latest, save_checkpoint
 
 _HUGE_PID = "9" * 20  # no process has it; int() of it overflows os.kill's pid_t
@@ -19,9 +19,9 @@ _HUGE_PID = "9" * 20  # no process has it; int() of it overflows os.kill's pid_t
 CRAFTED = {
     "aside_of_dot": "...aside-00000000-1-00000000",  # base "." : Path.with_name(".") raises
     "aside_of_dotdot": "....aside-00000000-1-00000000",  # base ".."
-    "aside_20_digit_pid": f".step_00000002.aside-{_OWNER}-{_HUGE_PID}-00000000",
-    "temp_20_digit_pid": f".step_00000003.tmp-{_OWNER}-{_HUGE_PID}-00000000",
-    "aside_pid_0": f".step_00000005.aside-{_OWNER}-0-00000000",
+    "aside_20_digit_pid": f".step_00000002.aside-{OWNER}-{_HUGE_PID}-00000000",
+    "temp_20_digit_pid": f".step_00000003.tmp-{OWNER}-{_HUGE_PID}-00000000",
+    "aside_pid_0": f".step_00000005.aside-{OWNER}-0-00000000",
 }
 
 

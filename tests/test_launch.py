@@ -429,7 +429,7 @@ def test_restarted_attempts_never_read_a_dead_attempts_keys(tmp_path: Path) -> N
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
     from workers.launch import restarted_attempt
 
-    from refimpl.launch import _forkserver_preload
+    from refimpl.launch._spawn import _forkserver_preload
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_forkserver_preload())
@@ -467,7 +467,7 @@ def test_an_attempt_whose_rank_0_never_comes_ends_within_the_init_timeout(
 ) -> None:
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-    from refimpl._torchrun_init import AttemptStoreError, attempt_store
+    from refimpl.launch._torchrun import AttemptStoreError, attempt_store
 
     agent_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     agent_store.set("refimpl/job/attempt", "dead0")  # a previous attempt's rank 0, its answer
@@ -483,7 +483,7 @@ def test_an_attempt_whose_rank_0_never_comes_ends_within_the_init_timeout(
 
 _TWO_JOBS_RANK = """
 import sys
-from refimpl._torchrun_init import attempt_store
+from refimpl.launch._torchrun import attempt_store
 rank, job = int(sys.argv[1]), sys.argv[2]
 store = attempt_store(rank, 2, timeout_s=30)
 store.set(f"job/{rank}", job)
@@ -556,18 +556,18 @@ def test_fork_server_preloads_dcp_only_where_this_process_uses_it(
 ) -> None:
     import torch.distributed.checkpoint  # noqa: F401  (present: this session has sharded tests)
 
-    from refimpl.launch import _forkserver_preload
+    from refimpl.launch._spawn import _forkserver_preload
 
     base = ["torch", "torch.distributed", "torch._dynamo"]
     assert _forkserver_preload() == [
         *base,
         "torch.distributed.checkpoint",
         "torch.distributed.fsdp",
-        "refimpl._rank_process",
+        "refimpl.launch._rank",
     ]
     for name in ("torch.distributed.checkpoint", "torch.distributed.fsdp"):
         monkeypatch.delitem(sys.modules, name)  # a chapter that never shards
-    assert _forkserver_preload() == [*base, "refimpl._rank_process"]
+    assert _forkserver_preload() == [*base, "refimpl.launch._rank"]
 
 
 def test_a_rank_finds_what_ddp_imports_already_imported() -> None:

@@ -7,7 +7,7 @@ through ``os._exit``, and the launcher kills it once it has reported. A hook reg
 runs in threading's own exit step, before any thread is joined (CPython's
 ``threading._register_atexit``, which ``concurrent.futures`` uses to join its workers; ours is
 registered after theirs, so it runs first), and, in a spawn rank, just before the rank reports
-(`refimpl._rank_process.bootstrap`).
+(`refimpl.launch._rank.bootstrap`).
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+
+from refimpl._system import proc
 
 MARKER = "REFIMPL_CHAOS_RUN"
 """Environment variable that every process of one run carries (its value is unique)."""
@@ -35,15 +36,6 @@ _POLL_S = 0.2  # a torchrun worker lives for seconds (importing torch alone take
 _WATCH_S = 0.005  # how often a watch looks (a small checkpoint's write takes milliseconds)
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, parent pid) of ``pid``, or None when it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields[0], int(fields[1])
-
-
 def split_rank(line: str) -> tuple[int | None, str]:
     """``(rank, text)`` of a line torchrun teed with `RANK_PREFIX_TEMPLATE`; ``(None, line)``
     for any other line."""
@@ -52,19 +44,12 @@ def split_rank(line: str) -> tuple[int | None, str]:
     return int(m.group(1)), line[m.end() :]
 
 
-def _environ(pid: int) -> list[bytes]:
-    try:
-        return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return []
-
-
 def descendants(root: int) -> list[int]:
     """Live (not zombie) descendants of ``root``, parents before their children."""
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (st := _stat(int(entry))) is not None and st[0] != "Z":
-            children.setdefault(st[1], []).append(int(entry))
+    for pid in proc.pids():
+        if (st := proc.state_and_parent(pid)) is not None and st[0] != "Z":
+            children.setdefault(st[1], []).append(pid)
     out, i = list(children.get(root, [])), 0
     while i < len(out):
         out += children.get(out[i], [])
@@ -79,7 +64,7 @@ def _env_value(environ: list[bytes], name: bytes) -> bytes | None:
 
 def env_of(pid: int, name: str) -> str | None:
     """The value of ``name`` in the environment ``pid`` started with (None: unset or gone)."""
-    value = _env_value(_environ(pid), name.encode())
+    value = _env_value(proc.environ(pid), name.encode())
     return None if value is None else value.decode(errors="replace")
 
 
@@ -101,11 +86,11 @@ def workers(root: int, until: Callable[[dict[int, int]], bool] | None = None) ->
     while True:
         found: dict[int, int] = {}
         for pid in descendants(root):
-            environ = _environ(pid)
+            environ = proc.environ(pid)
             rank = _env_value(environ, b"RANK")
-            if rank is None or not rank.isdigit() or (st := _stat(pid)) is None:
+            if rank is None or not rank.isdigit() or (st := proc.state_and_parent(pid)) is None:
                 continue
-            parent = _environ(st[1])
+            parent = proc.environ(st[1])
             run_id = _env_value(environ, b"TORCHELASTIC_RUN_ID")
             given = _env_value(parent, b"RANK") != rank or (
                 run_id is not None and _env_value(parent, b"TORCHELASTIC_RUN_ID") is None
@@ -119,12 +104,7 @@ def workers(root: int, until: Callable[[dict[int, int]], bool] | None = None) ->
 
 def marked(token: str) -> list[int]:
     """Pids of the processes whose environment carries ``MARKER=token``."""
-    needle = f"{MARKER}={token}".encode()
-    return [
-        int(e)
-        for e in os.listdir("/proc")
-        if e.isdigit() and int(e) != os.getpid() and needle in _environ(int(e))
-    ]
+    return proc.pids_with_env(f"{MARKER}={token}")
 
 
 def signal_all(pids: Sequence[int], sig: int) -> None:

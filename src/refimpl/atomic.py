@@ -20,19 +20,18 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import re
-import secrets
-import shutil
-import socket
 import warnings
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 import xxhash
 
+from refimpl import _publish
+from refimpl._publish import remove_stale_temps, temp_path
+from refimpl._system import disk
+from refimpl._system.disk import fsync_dir
 from refimpl._write_errors import WatchedFile, advice, interrupt_in, root_oserror
 
 __all__ = [
@@ -48,57 +47,13 @@ __all__ = [
     "temp_path",
 ]
 
-TEMP_TAG = ".tmp-"
+TEMP_TAG = _publish.TEMP_TAG
 """Every temporary name is ``.NAME.tmp-OWNER-PID-RANDOM``: OWNER identifies this machine and PID
 namespace, so a temp is only ever reaped by a process that can prove its writer is dead."""
 COMMIT_MARKER = "COMMITTED"
 """`atomic_dir` writes this empty file last: a directory without it is not a checkpoint."""
 
-_MAX_PLAIN_NAME = 200  # bytes; longer names get a hashed temp name (NAME_MAX is 255)
-# A pid has at most 7 digits (Linux's PID_MAX_LIMIT is 2**22): a longer one is no writer's, and
-# would overflow os.kill.
-_TEMP_RE = re.compile(r"\.(?P<base>.+)\.tmp-(?P<owner>[0-9a-f]{8})-(?P<pid>\d{1,7})-[0-9a-f]{8}")
-
-
-def _owner_tag() -> str:
-    """8 hex digits naming this host, boot and PID namespace.
-
-    A pid only means something inside one PID namespace on one machine: two containers on a
-    shared volume can both have a writer with pid 7. Only temps carrying our own tag can be
-    checked with ``kill(pid, 0)``; everyone else's are left alone.
-    """
-    parts = [socket.gethostname()]
-    for source in ("/proc/sys/kernel/random/boot_id",):
-        with contextlib.suppress(OSError):
-            parts.append(Path(source).read_text().strip())
-    with contextlib.suppress(OSError):
-        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:8]
-
-
-_OWNER = _owner_tag()
-
-
-def _temp_base(name: str) -> str:
-    """The part of a temp name that says which target it belongs to (hashed when too long)."""
-    if len(name.encode()) <= _MAX_PLAIN_NAME:
-        return name
-    return "~" + hashlib.sha256(name.encode()).hexdigest()[:16]
-
-
-def temp_path(path: str | os.PathLike[str]) -> Path:
-    """A fresh temporary name next to ``path``: ``.NAME.tmp-OWNER-PID-RANDOM``.
-
-    Same directory (so the final rename never crosses a filesystem), hidden, never reused,
-    and short enough for any legal ``path`` (a name near the 255-byte limit is hashed).
-    """
-    path = Path(path)
-    base = _temp_base(path.name)
-    return path.with_name(f".{base}{TEMP_TAG}{_OWNER}-{os.getpid()}-{secrets.token_hex(4)}")
-
-
-# Indirections the fault injection (refimpl.demos.io_faults) swaps to inject ENOSPC / EIO.
-_fsync: Callable[[int], None] = os.fsync
+# An indirection the fault injection (refimpl.demos.io_faults) swaps, as it swaps disk.fsync.
 _replace: Callable[[Any, Any], None] = os.replace
 
 
@@ -137,21 +92,6 @@ class _HashingFile:
 
     def flush(self) -> None:
         self._f.flush()
-
-
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """``fsync`` a directory, making the creations and renames inside it durable.
-
-    A rename only changes the directory; until the directory is synced, a power cut can
-    bring back the old entry. Windows cannot open a directory, so this is a no-op there.
-    """
-    if os.name == "nt":
-        return
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        _fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def atomic_write(
@@ -211,7 +151,7 @@ def atomic_write(
             stage = "write"
             watched.flush()  # Python's buffer -> the kernel
             if durable:
-                _fsync(f.fileno())  # the kernel's page cache -> the disk
+                disk.fsync(f.fileno())  # the kernel's page cache -> the disk
         _replace(tmp, path)  # atomic on POSIX: the old file or the new one, never a mix
         stage = "sync"
         if durable:
@@ -278,51 +218,6 @@ def atomic_save(obj: Any, path: str | os.PathLike[str], *, durable: bool = True)
     return Path(path)
 
 
-_FSYNC_THREADS = 8
-_fsync_pool: ThreadPoolExecutor | None = None
-
-
-def _forget_pool() -> None:  # a forked child has the pool object but none of its threads
-    global _fsync_pool
-    _fsync_pool = None
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool)
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        _fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    """fsync every file, then every directory bottom-up, under ``root``.
-
-    The files of a directory are fsynced concurrently: one after another, each fsync waits
-    for its own journal commit (14 small files cost 14 commits); issued together, the
-    filesystem folds them into one (ext4 and xfs commit concurrent fsyncs as a group). Every
-    one has returned, or the first error is raised, before the directory is fsynced.
-    """
-    global _fsync_pool
-    for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
-        paths = [os.path.join(dirpath, name) for name in filenames]
-        if _fsync_pool is None and len(paths) > 1:
-            _fsync_pool = ThreadPoolExecutor(_FSYNC_THREADS, thread_name_prefix="fsync")
-        try:
-            pending = [_fsync_pool.submit(_fsync_path, p) for p in paths] if _fsync_pool else []
-        except RuntimeError:  # at interpreter exit (a background save finishing): one by one
-            pending = []
-        for done in pending:
-            done.result()  # waits for all of them; raises the first failure
-        for path in paths if not pending else []:
-            _fsync_path(path)
-        fsync_dir(dirpath)
-
-
 @contextlib.contextmanager
 def atomic_dir(
     path: str | os.PathLike[str], *, marker: str | None = COMMIT_MARKER, durable: bool = True
@@ -346,69 +241,5 @@ def atomic_dir(
             f"{path} already exists; atomic_dir only creates new directories. Remove it or "
             "pick a new name (checkpoints use one directory per step)."
         )
-    remove_stale_temps(path.parent, target=path.name)
-    tmp = temp_path(path)
-    tmp.mkdir()
-    try:
+    with _publish.staged_dir(path, replace=False, durable=durable, marker=marker) as tmp:
         yield tmp
-        if marker is not None:
-            (tmp / marker).touch()  # written last: its presence means "everything is here"
-        if durable:
-            _fsync_tree(tmp)
-        os.rename(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if durable:
-        try:
-            fsync_dir(path.parent)
-        except OSError as exc:
-            raise OSError(
-                exc.errno,
-                f"{path} was published, but syncing {path.parent} failed ({exc.strerror}): "
-                "it may not survive a power cut. Check the disk (dmesg)",
-            ) from exc
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
-def remove_stale_temps(
-    directory: str | os.PathLike[str], *, target: str | None = None
-) -> list[Path]:
-    """Delete temporaries in ``directory`` whose writer is provably dead; return them, sorted.
-
-    Only names of the exact form `temp_path` makes are considered, and only those whose
-    OWNER tag is this machine's and PID namespace's, and whose PID is no longer running
-    (another writer may be mid-save; a writer in another container cannot be checked, so
-    its temps are left). A user's ``.notes.tmp-draft`` is never touched. ``target`` limits
-    the sweep to the temporaries of one file or directory name.
-    """
-    removed = []
-    base = None if target is None else _temp_base(target)
-    try:
-        entries = sorted(Path(directory).iterdir())
-    except FileNotFoundError:
-        return []
-    for entry in entries:
-        match = _TEMP_RE.fullmatch(entry.name)
-        if match is None or match["owner"] != _OWNER:
-            continue
-        if base is not None and match["base"] != base:
-            continue
-        if _pid_alive(int(match["pid"])):  # our own pid counts as alive
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                entry.unlink()
-        removed.append(entry)
-    return removed

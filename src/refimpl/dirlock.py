@@ -58,6 +58,7 @@ from types import TracebackType
 import torch.distributed as dist
 
 from refimpl._group_timeout import group_timeout
+from refimpl._system import proc
 from refimpl.atomic import temp_path
 from refimpl.checkpoint import CheckpointError
 
@@ -141,7 +142,7 @@ def _exiting(stat: str, status: str) -> bool:
     """Whether ``/proc/PID/stat`` and ``/proc/PID/status`` (their text) describe a process
     that is on its way out: a zombie, in ``do_exit`` (``PF_EXITING``), or with SIGKILL
     pending (killed while in uninterruptible sleep, a long fsync say)."""
-    fields = stat.rsplit(")", 1)[-1].split()  # the name, in parentheses, may hold spaces
+    fields = proc.stat_fields(stat)
     if len(fields) < 7:
         return False
     if fields[0] in ("Z", "X", "x") or int(fields[6]) & _PF_EXITING:
@@ -159,8 +160,7 @@ def _dying(holder: Holder) -> bool:
     if holder.host != socket.gethostname():
         return False
     try:
-        proc = Path("/proc") / str(holder.pid)
-        return _exiting((proc / "stat").read_text(), (proc / "status").read_text())
+        return _exiting(proc.read(holder.pid, "stat"), proc.read(holder.pid, "status"))
     except (OSError, ValueError):
         return False
 

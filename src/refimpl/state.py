@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from refimpl._manifest import KEY_RE  # the file names save_checkpoint accepts
+from refimpl._weights import WRAPPER_PREFIXES, inference_tensor
 
 __all__ = [
     "ACCUMULATION_KEYS",
@@ -49,7 +50,6 @@ __all__ = [
     "unwrap_state_dict",
 ]
 
-_PREFIXES = ("module.", "_orig_mod.")
 _DATA_PARALLEL = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
 STATE_KEYS = (
     "model",
@@ -98,7 +98,7 @@ def _strip_prefixes(state: Mapping[str, Any]) -> dict[str, Any]:
     """``state`` with leading ``module.`` and ``_orig_mod.`` removed from every key."""
     out: dict[str, Any] = {}
     for key, value in state.items():
-        while key.startswith(_PREFIXES):
+        while key.startswith(WRAPPER_PREFIXES):
             key = key.split(".", 1)[1]
         out[key] = value
     return out
@@ -365,13 +365,5 @@ def export_safetensors(
 
     from refimpl.atomic import atomic_write_bytes
 
-    tensors = {k: _inference_tensor(v, dtype) for k, v in unwrap_state_dict(model).items()}
+    tensors = {k: inference_tensor(v, dtype) for k, v in unwrap_state_dict(model).items()}
     return atomic_write_bytes(save(tensors), path)
-
-
-def _inference_tensor(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """``t`` as safetensors stores it: floating point cast to ``dtype`` (None: kept), on the
-    CPU, contiguous, and a copy of its own (safetensors refuses tensors that share storage,
-    such as tied weights, and a view would save its whole base)."""
-    cast = t.to(dtype) if dtype is not None and t.is_floating_point() else t
-    return cast.detach().cpu().contiguous().clone()

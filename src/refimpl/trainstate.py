@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from refimpl.atomic import COMMIT_MARKER
 from refimpl.checkpoint import CheckpointError, load_latest
-from refimpl.checkpoint._files import _log_skip
+from refimpl.checkpoint._files import log_skip
 from refimpl.data import ResumableSampler
 from refimpl.state import capture_grads, capture_rng, capture_state, restore_state
 
@@ -254,7 +254,7 @@ def resume_every_rank(
     def skipped(step_dir: Path, why: str) -> None:
         if (step_dir / COMMIT_MARKER).is_file():  # a step a save finished, now unloadable
             unloadable.append(f"{step_dir.name}: {why}")
-        (on_skip or _log_skip)(step_dir, why)
+        (on_skip or log_skip)(step_dir, why)
 
     found = load_latest(ckpt_dir, on_skip=skipped, map_location=map_location, on_load=remember)
     check_same_checkpoint(

@@ -57,10 +57,10 @@ def test_worker_frames_reads_py_spy_and_faulthandler() -> None:
         'Thread \x1b[1m7\x1b[0m (idle): "MainThread"\n'
         "    barrier (torch/distributed/distributed_c10d.py:5356)\n"
         "    work (refimpl/demos/x.py:3)\n"
-        "    bootstrap (refimpl/_rank_process.py:185)\n"
+        "    bootstrap (refimpl/launch/_rank.py:185)\n"
         "    main (multiprocessing/forkserver.py:274)\n"
         'Thread 8 (idle): "refimpl-launcher-watch"\n'
-        "    watch (refimpl/_rank_process.py:80)\n"
+        "    watch (refimpl/launch/_rank.py:80)\n"
     )
     assert worker_frames(spy) == [
         "barrier (torch/distributed/distributed_c10d.py)",
@@ -71,7 +71,7 @@ def test_worker_frames_reads_py_spy_and_faulthandler() -> None:
         '  File "/x/lib/python3.11/threading.py", line 3 in run\n\n'
         "Current thread 0x02 (most recent call first):\n"
         '  File "/w/src/refimpl/demos/x.py", line 9 in stuck\n'
-        '  File "/w/src/refimpl/_rank_process.py", line 185 in bootstrap\n'
+        '  File "/w/src/refimpl/launch/_rank.py", line 185 in bootstrap\n'
     )
     assert worker_frames(fault) == ["stuck (refimpl/demos/x.py)"]
     assert worker_frames("no frames here") == []

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from refimpl._argtypes import int_range
+from refimpl._system.argtypes import int_range
 from refimpl.chaos._scenarios import help_text
 from refimpl.chaos._verdict import ChaosError, ChaosRow, format_table
 

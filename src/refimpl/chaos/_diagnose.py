@@ -17,6 +17,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from refimpl._processes import env_of, signal_all, split_rank, workers
+from refimpl._system import proc
 
 _STACK_WAIT_S = 10.0  # at most, for the aborted workers to exit (a loaded machine is slow)
 _TAIL_S = 0.5  # then for torchrun's tail of their stderr (it polls every 0.1 s) to pass it on
@@ -111,11 +112,7 @@ def rank_report(lines: Sequence[str], n: int = 6) -> str:
 
 def _alive(pid: int) -> bool:
     """Whether ``pid`` still runs (a zombie has finished writing: it counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False
+    return proc.state(pid) not in (None, "Z")
 
 
 def probe_stall(root: int, token: str) -> str:
@@ -147,7 +144,7 @@ def own_group_hint(lines: Sequence[str], env: Mapping[str, str]) -> str | None:
     texts = [split_rank(ln) for ln in lines]
     under_torchrun = any(rank is not None for rank, _ in texts)
     in_init = any("init_process_group" in t for r, t in texts if r is not None)
-    refimpl = any("_torchrun_init.py" in t for _, t in texts)
+    refimpl = any("refimpl/launch/_torchrun.py" in t for _, t in texts)  # init_from_env's file
     if not (under_torchrun and in_init) or refimpl:
         return None
     if env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from refimpl._processes import Action, descendants, kill_run, signal_all, split_rank, workers
+from refimpl._system import proc
 
 WHAT = {
     "kill-rank1": "SIGKILL the worker with RANK=1 at --kill-on; torchrun restarts the workers",
@@ -121,13 +122,8 @@ def perturb_env(hook_dir: Path, env: dict[str, str]) -> dict[str, str]:
 
 
 def _catches(pid: int, sig: int) -> bool:
-    """Whether ``pid`` has a handler for ``sig`` (``SigCgt`` in ``/proc/PID/status``)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    mask = next((ln.split()[1] for ln in status.splitlines() if ln.startswith("SigCgt:")), "0")
-    return bool(int(mask, 16) >> (sig - 1) & 1)
+    """Whether ``pid`` has a handler for ``sig``."""
+    return bool(proc.signals_caught(pid) >> (sig - 1) & 1)
 
 
 def reseed_workers(root: int, token: str) -> str | None:
@@ -163,24 +159,6 @@ def resized(cmd: Sequence[str], nproc: int) -> list[str] | None:
     return out if hit else None
 
 
-def _open_for_writing(pid: int, under: Path) -> list[Path]:
-    """Files under ``under`` that ``pid`` holds open for writing (``/proc/PID/fdinfo``)."""
-    found = []
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return []
-    for fd in fds:
-        try:
-            target = Path(os.readlink(f"/proc/{pid}/fd/{fd}"))
-            flags = Path(f"/proc/{pid}/fdinfo/{fd}").read_text().split("flags:", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if int(flags, 8) & (os.O_WRONLY | os.O_RDWR) and target.is_relative_to(under):
-            found.append(target)
-    return found
-
-
 def write_watch(ckpt_dir: Path) -> Callable[[int, str], str | None]:
     """A watch that kills the run while one of its processes holds a file under ``ckpt_dir``
     open for writing: seen, the processes are stopped (SIGSTOP), the file is seen open again
@@ -190,10 +168,10 @@ def write_watch(ckpt_dir: Path) -> Callable[[int, str], str | None]:
 
     def watch(root: int, token: str) -> str | None:
         pids = [root, *descendants(root)]
-        if not any(_open_for_writing(pid, under) for pid in pids):
+        if not any(proc.open_for_writing(pid, under) for pid in pids):
             return None
         signal_all(pids, signal.SIGSTOP)
-        held = [(pid, p) for pid in pids for p in _open_for_writing(pid, under)]
+        held = [(pid, p) for pid in pids for p in proc.open_for_writing(pid, under)]
         if not held:  # the write ended between the look and the stop: let it go on
             signal_all(pids, signal.SIGCONT)
             return None

@@ -28,17 +28,13 @@ from refimpl._manifest import (
 )
 from refimpl._pack import PACK as _PACK
 from refimpl._pack import KeyRange, KeyWindow, write_pack
-from refimpl._publish import publish_dir, restore_asides
+from refimpl._publish import Stage, publish_dir, restore_asides, temp_dir, temp_path
 from refimpl._regular_file import read_regular
 from refimpl._write_errors import advice, root_oserror
 from refimpl.atomic import (
     COMMIT_MARKER,
     DIGESTS,
-    _fsync_tree,
     atomic_write,
-    fsync_dir,
-    remove_stale_temps,
-    temp_path,
 )
 
 MANIFEST = "MANIFEST.json"
@@ -47,7 +43,7 @@ PACK = _PACK
 """Name of the one file that holds every top-level key of a step (``torch.save`` archives back
 to back; the manifest's ``"keys"`` says where each is). Steps older than format 3 have one
 ``KEY.pt`` per key instead."""
-_STEP_RE = re.compile(r"step_([0-9]{8,})", re.ASCII)  # ASCII digits only: "step_٠٠..." is not ours
+STEP_RE = re.compile(r"step_([0-9]{8,})", re.ASCII)  # ASCII digits only: "step_٠٠..." is not ours
 _ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _CHUNK = 1 << 20
 logger = logging.getLogger(__name__)
@@ -77,10 +73,10 @@ def list_checkpoints(ckpt_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]
     root = Path(ckpt_dir)
     if not root.is_dir():
         return []
-    restore_asides(root, steps=_STEP_RE)
+    restore_asides(root, steps=STEP_RE)
     found = []
     for entry in root.iterdir():
-        match = _STEP_RE.fullmatch(entry.name)
+        match = STEP_RE.fullmatch(entry.name)
         if match and entry.is_dir():
             found.append((int(match.group(1)), entry))
     return sorted(found)
@@ -124,7 +120,7 @@ def _verify(step_dir: Path) -> dict[str, Any]:
         if _digest_file(path, algorithm) != digest:
             raise CheckpointError(path, f"{algorithm} mismatch with the manifest (corrupted bytes)")
     manifest: dict[str, Any] = json.loads(raw)
-    named = _STEP_RE.fullmatch(step_dir.name)
+    named = STEP_RE.fullmatch(step_dir.name)
     step = manifest.get("step")
     if named and (type(step) is not int or step != int(named.group(1))):
         # A copied or renamed step verifies file by file; loading it would resume the wrong step.
@@ -244,7 +240,7 @@ def _load_key(step_dir: Path, key: str, where: KeyRange, map_location: Any) -> A
         raise CheckpointError(path, f"cannot be read ({exc})") from exc
 
 
-def _log_skip(step_dir: Path, reason: str) -> None:
+def log_skip(step_dir: Path, reason: str) -> None:
     logger.warning("load_latest: skipped %s (%s); trying an older step", step_dir.name, reason)
 
 
@@ -255,11 +251,11 @@ def _explain_empty(root: Path) -> None:
         return
     if not root.is_dir():
         raise CheckpointError(root, "is not a directory; pass the checkpoint directory")
-    if _STEP_RE.fullmatch(root.name) or (root / MANIFEST).exists():
+    if STEP_RE.fullmatch(root.name) or (root / MANIFEST).exists():
         raise CheckpointError(
             root, f"is one step, not a checkpoint directory: pass its parent {root.parent}"
         )
-    nested = sorted({p.parent for p in root.glob("*/step_*") if _STEP_RE.fullmatch(p.name)})
+    nested = sorted({p.parent for p in root.glob("*/step_*") if STEP_RE.fullmatch(p.name)})
     if nested:
         raise CheckpointError(
             root, f"holds no step_N directories, but {nested[0]} does: did you mean that one?"
@@ -304,7 +300,7 @@ def load_latest(
         found = load_latest("ckpt", on_skip=lambda d, why: print("skipped", d.name, why))
         start = 0 if found is None else found[0] + 1
     """
-    report = on_skip or _log_skip
+    report = on_skip or log_skip
     root = Path(ckpt_dir)
     steps = list_checkpoints(root)
     if not steps:
@@ -332,7 +328,7 @@ def _range_entry(where: KeyRange) -> dict[str, Any]:
     return {"file": where.file, "offset": where.offset, "bytes": where.length}
 
 
-def _prune(ckpt_dir: Path, keep_last: int, saved_step: int) -> None:
+def prune(ckpt_dir: Path, keep_last: int, saved_step: int) -> None:
     """Keep ``keep_last`` committed steps up to ``saved_step``; never touch anything else.
 
     The step just saved is verified by construction and counts as one of them. Newer steps
@@ -388,11 +384,20 @@ def save_checkpoint(
     final = root / step_dir_name(step)
     _validate(state, final)
     root.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(root)
-    tmp = temp_path(final)
+    tmp: Path | None = None
     writing = "its temporary directory"  # what a failure names: never the temp's own name
+    stages: dict[Stage, str] = {
+        "fsync": "the step (fsync)",
+        "publish": f"the step (publishing it as {final.name})",
+        "fsync-parent": f"the step (syncing {root})",
+    }
+
+    def stage(now: Stage) -> None:
+        nonlocal writing
+        writing = stages[now]
+
     try:
-        tmp.mkdir()
+        tmp = temp_dir(final, sweep="parent")
         ranges: dict[str, KeyRange] = {}
 
         def started(key: str) -> None:
@@ -417,16 +422,10 @@ def save_checkpoint(
         )
         writing = COMMIT_MARKER
         (tmp / COMMIT_MARKER).touch()  # written last: its presence means "everything is here"
-        writing = "the step (fsync)"
-        if durable:
-            _fsync_tree(tmp)
-        writing = f"the step (publishing it as {final.name})"
-        publish_dir(tmp, final)
-        writing = f"the step (syncing {root})"
-        if durable:
-            fsync_dir(root)
+        publish_dir(tmp, final, replace=True, durable=durable, stage=stage)
     except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         err = root_oserror(exc, innermost=True) or exc
         raise CheckpointError(
             final,
@@ -435,8 +434,9 @@ def save_checkpoint(
             "intact and the temporary files were removed.",
         ) from exc
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     if keep_last is not None:
-        _prune(root, keep_last, step)
+        prune(root, keep_last, step)
     return final

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from refimpl import atomic
-from refimpl._rank_process import main_module_hidden
 from refimpl.checkpoint import AsyncCheckpointer, load_latest, save_checkpoint
+from refimpl.launch._rank import main_module_hidden
 
 __all__ = [
     "MODES",

@@ -2,7 +2,8 @@
 flipped bit inside a ``torch.save`` file, and a directory "renamed" the way object stores do.
 
 - `inject_io_error`: make `refimpl.atomic`'s writes or fsyncs fail with ENOSPC or EIO (after
-  some bytes, optionally), through the indirections `refimpl.atomic` keeps for this;
+  some bytes, optionally), through the indirections kept for this (``atomic._open_temp``,
+  ``atomic._replace``, and ``refimpl._system.disk.fsync``, which every fsync goes through);
 - `trace_io`: record the writes, fsyncs and renames a save performs, in order;
 - `flip_bit_in_record`: flip one bit of one tensor record inside a ``torch.save`` zip;
 - `rename_like_an_object_store`: copy a directory object by object in listing order, as
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from refimpl import atomic
+from refimpl._system import disk
 
 __all__ = [
     "flip_bit_in_record",
@@ -66,7 +68,7 @@ def inject_io_error(
     ``on="write"``: every temporary file accepts ``after_bytes`` bytes and then its next
     write raises; ``on="fsync"``: every fsync raises (how a dying disk usually reports).
     """
-    real_open, real_fsync = atomic._open_temp, atomic._fsync
+    real_open, real_fsync = atomic._open_temp, disk.fsync
 
     def failing_open(path: Path) -> tuple[IO[bytes], Path]:
         f, tmp = real_open(path)
@@ -78,20 +80,20 @@ def inject_io_error(
     if on == "write":
         atomic._open_temp = failing_open
     elif on == "fsync":
-        atomic._fsync = failing_fsync
+        disk.fsync = failing_fsync
     else:
         raise ValueError(f"on must be 'write' or 'fsync', got {on!r}")
     try:
         yield
     finally:
-        atomic._open_temp, atomic._fsync = real_open, real_fsync
+        atomic._open_temp, disk.fsync = real_open, real_fsync
 
 
 @contextlib.contextmanager
 def trace_io() -> Iterator[list[str]]:
     """Record the durable-write steps refimpl.atomic takes (for the chapter's evidence)."""
     events: list[str] = []
-    real_open, real_fsync, real_replace = atomic._open_temp, atomic._fsync, atomic._replace
+    real_open, real_fsync, real_replace = atomic._open_temp, disk.fsync, atomic._replace
 
     def open_(path: Path) -> tuple[IO[bytes], Path]:
         f, tmp = real_open(path)
@@ -107,11 +109,11 @@ def trace_io() -> Iterator[list[str]]:
         events.append(f"os.replace -> {Path(dst).name}")
         real_replace(src, dst)
 
-    atomic._open_temp, atomic._fsync, atomic._replace = open_, fsync_, replace_
+    atomic._open_temp, disk.fsync, atomic._replace = open_, fsync_, replace_
     try:
         yield events
     finally:
-        atomic._open_temp, atomic._fsync, atomic._replace = real_open, real_fsync, real_replace
+        atomic._open_temp, disk.fsync, atomic._replace = real_open, real_fsync, real_replace
 
 
 def flip_bit_in_record(path: str | os.PathLike[str], record: str, offset: int, bit: int = 0) -> str:

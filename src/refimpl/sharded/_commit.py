@@ -20,13 +20,13 @@ import torch
 from refimpl import __version__
 from refimpl._manifest import MAX_MANIFEST_BYTES
 from refimpl._regular_file import is_regular, open_regular, read_regular
+from refimpl._system import disk
 from refimpl.atomic import (
     COMMIT_MARKER,
     DIGESTS,
-    _fsync,
     atomic_write,
 )
-from refimpl.checkpoint._files import _STEP_RE, DIGEST, MANIFEST, CheckpointError
+from refimpl.checkpoint._files import DIGEST, MANIFEST, STEP_RE, CheckpointError
 from refimpl.sharded._dcp_metadata import SHARD_NAME_RE, UnsafeMetadata, check_metadata
 from refimpl.sharded._seen import Seen, after_hashing, before_hashing
 
@@ -58,7 +58,7 @@ def digest_files(directory: Path, names: Iterable[str]) -> dict[str, dict[str, A
     for name in names:
         digest = DIGESTS[DIGEST]()
         with os.fdopen(open_regular(directory / name), "rb") as f:  # no FIFO, device, link
-            _fsync(f.fileno())
+            disk.fsync(f.fileno())
             while chunk := f.read(_CHUNK):
                 digest.update(chunk)
             out[name] = {"bytes": os.fstat(f.fileno()).st_size, DIGEST: digest.hexdigest()}
@@ -202,7 +202,7 @@ def _verify_step(step_dir: Path, seen: dict[str, Seen]) -> dict[str, Any]:
         check_metadata(step_dir / METADATA, sizes, expect=expected[METADATA])
     except (UnsafeMetadata, OSError) as exc:
         raise CheckpointError(step_dir / METADATA, f"refused before DCP opened it: {exc}") from exc
-    named = _STEP_RE.fullmatch(step_dir.name)
+    named = STEP_RE.fullmatch(step_dir.name)
     if type(manifest.get("step")) is not int or (named and int(named[1]) != manifest["step"]):
         raise CheckpointError(
             step_dir / MANIFEST, f"says step {manifest.get('step')!r}, not this one"

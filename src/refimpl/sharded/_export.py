@@ -22,13 +22,13 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-from refimpl._publish import publish_dir
-from refimpl.atomic import COMMIT_MARKER, _fsync_tree, fsync_dir, remove_stale_temps, temp_path
+from refimpl._publish import staged_dir
+from refimpl._weights import WRAPPER_PREFIXES, inference_tensor
+from refimpl.atomic import COMMIT_MARKER
 from refimpl.checkpoint import MANIFEST, CheckpointError
 from refimpl.sharded._commit import verify_step
 from refimpl.sharded._errors import LOAD_ADVICE, dcp_errors
 from refimpl.sharded._read import WeightsOnlyEmptyPlanner
-from refimpl.state import _PREFIXES, _inference_tensor
 
 logger = logging.getLogger("refimpl.sharded")
 
@@ -36,7 +36,7 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 # Wrapper segments that can sit anywhere in a name (FSDP1, activation checkpointing, a
-# compiled submodule); DDP's ``module.`` only ever comes first (refimpl.state._PREFIXES).
+# compiled submodule); DDP's ``module.`` only ever comes first (refimpl._weights.WRAPPER_PREFIXES).
 _WRAPPERS = {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"}
 # A step directory, or the temporary or aside name a save gives one while it writes it.
 _STEP_LIKE = re.compile(r"step_[0-9]+|\.step_[0-9]+\..*", re.ASCII)
@@ -81,7 +81,7 @@ def read_full(step_dir: Path, key: str) -> Any:
 
 def clean_name(name: str) -> str:
     """``name`` without DDP's, FSDP1's, activation checkpointing's or compile's wrapper parts."""
-    while name.startswith(_PREFIXES):
+    while name.startswith(WRAPPER_PREFIXES):
         name = name.split(".", 1)[1]
     return ".".join(part for part in name.split(".") if part not in _WRAPPERS)
 
@@ -186,10 +186,8 @@ def write_export(
     if out_dir.exists() and not out_dir.is_dir():
         raise NotADirectoryError(f"{out_dir} is a file: export_hf writes a directory")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(out_dir.parent, target=out_dir.name)  # what a killed export left
-    tmp = temp_path(out_dir)
-    tmp.mkdir()
-    try:
+    # the sweep takes what a killed export left; an old export is swapped out atomically
+    with staged_dir(out_dir, replace=True, sweep="target") as tmp:
         if out_dir.is_dir():
             _carry_over(out_dir, tmp)
         for file, group in zip(names, groups, strict=True):
@@ -204,15 +202,9 @@ def write_export(
                 },
             }
             (tmp / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        _fsync_tree(tmp)
         found = checkpoint_under(out_dir) if out_dir.is_dir() else None
         if found is not None:  # saved there while we exported: swapping would lose it
             raise ValueError(f"{out_dir} now holds a checkpoint ({found}): export elsewhere")
-        publish_dir(tmp, out_dir)  # one rename, or an atomic exchange with the old export
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fsync_dir(out_dir.parent)
     return [out_dir / f for f in names] + ([out_dir / INDEX] if n > 1 else [])
 
 
@@ -277,7 +269,7 @@ def export_hf(
             continue
         if new in tensors:
             raise ValueError(f"{name!r} and another key both become {new!r} once unwrapped")
-        tensors[new] = _inference_tensor(item, dtype)
+        tensors[new] = inference_tensor(item, dtype)
     if skipped:
         logger.warning(
             "export_hf: non-tensor item(s) %s not exported (safetensors holds tensors)", skipped

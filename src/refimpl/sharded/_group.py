@@ -28,9 +28,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from refimpl._publish import publish_dir
-from refimpl.atomic import _fsync_tree, fsync_dir, remove_stale_temps, temp_path
-from refimpl.checkpoint._files import _prune, step_dir_name
+from refimpl._publish import publish_dir, temp_dir
+from refimpl.checkpoint._files import prune, step_dir_name
 from refimpl.sharded._commit import METADATA, digest_files, own_shards, write_manifest
 from refimpl.sharded._errors import ShardedCheckpointError
 
@@ -89,9 +88,7 @@ def prepare_step(group: Group, root: Path, step: int) -> tuple[Path, Path]:
     if group.rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            remove_stale_temps(root)
-            tmp = temp_path(final)
-            tmp.mkdir()
+            tmp = temp_dir(final, sweep="parent")
             made = ("ok", str(tmp))
         except OSError as exc:
             made = ("error", f"rank 0 cannot create a temporary directory in {root} ({exc})")
@@ -123,14 +120,12 @@ def _publish_step(
         if present != set(files):
             return f"rank 0 found files no rank reported in {tmp}: {sorted(present - set(files))}"
         write_manifest(tmp, step, files, world)
-        _fsync_tree(tmp)
-        publish_dir(tmp, final)
-        fsync_dir(final.parent)
+        publish_dir(tmp, final, replace=True)
     except OSError as exc:
         return f"rank 0 could not commit {final} ({exc})"
     if keep_last is not None:
         try:
-            _prune(final.parent, keep_last, step)
+            prune(final.parent, keep_last, step)
         except OSError as exc:  # the step is committed; only the clean-up failed
             logger.warning("save_sharded: step %d committed, pruning failed (%s)", step, exc)
     return None

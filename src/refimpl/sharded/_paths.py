@@ -20,7 +20,7 @@ from typing import Any
 
 from refimpl._regular_file import is_regular
 from refimpl.atomic import COMMIT_MARKER
-from refimpl.checkpoint._files import _STEP_RE, MANIFEST, CheckpointError, list_checkpoints
+from refimpl.checkpoint._files import MANIFEST, STEP_RE, CheckpointError, list_checkpoints
 from refimpl.sharded._commit import Expected, verify_step
 from refimpl.sharded._seen import Seen
 
@@ -74,7 +74,7 @@ def _empty_root(path: Path) -> str | None:
         )
     if not path.is_dir():
         return "is a file, not a directory; pass the checkpoint directory (its parent?)"
-    nested = sorted({p.parent for p in path.glob("*/step_*") if _STEP_RE.fullmatch(p.name)})
+    nested = sorted({p.parent for p in path.glob("*/step_*") if STEP_RE.fullmatch(p.name)})
     if nested:
         return f"holds no step_N directories, but {nested[0]} does: pass that one"
     return None
@@ -82,7 +82,7 @@ def _empty_root(path: Path) -> str | None:
 
 def choose_step(path: Path, below: int | None = None) -> Choice:
     """Rank 0: the newest step of ``path`` (older than ``below``) that verifies."""
-    if _STEP_RE.fullmatch(path.name) or (path / MANIFEST).exists():
+    if STEP_RE.fullmatch(path.name) or (path / MANIFEST).exists():
         seen: dict[str, Seen] = {}
         try:
             manifest = verify_step(path, seen)

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
+
+from refimpl._system import proc
 
 Seen = tuple[str, int, int, int, int, int]
 """``(boot_id, st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)`` of a file rank 0 hashed."""
@@ -33,14 +34,7 @@ RACY_S = 2.0
 (covers filesystems whose timestamps have a 1-second granularity)."""
 
 
-def _boot_id() -> str | None:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
-    except OSError:  # not Linux: no way to tell machines apart, so always hash
-        return None
-
-
-BOOT_ID = _boot_id()
+BOOT_ID = proc.boot_id() or None  # None off Linux: no way to tell machines apart, so always hash
 
 
 def _identity(fd: int) -> Seen | None:

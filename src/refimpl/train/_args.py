@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from refimpl._argtypes import float_range, int_range, nonempty
+from refimpl._system.argtypes import float_range, int_range, nonempty
 from refimpl.train import _watchdog
 
 __all__ = ["DESCRIPTION", "parse_args"]

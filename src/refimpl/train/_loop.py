@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from refimpl import _startup_gc
+from refimpl._system import proc
 from refimpl.atomic import atomic_save
 from refimpl.data import ResumableBatches, ResumableSampler
 from refimpl.dirlock import DirLock
@@ -192,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         _Log(info.rank, times=True)(
             f"timing: restart {attempt} process "
-            f"{_watchdog.process_start():.6f} imported "
+            f"{proc.start_time():.6f} imported "
             f"{imported:.6f} group {time.time():.6f}"
         )
     bar = None

@@ -43,12 +43,11 @@ import stat
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from refimpl.atomic import atomic_write_bytes
 
-__all__ = ["HANG_MARKER", "REAP_SIGNAL", "Watchdog", "hang_once", "process_start", "unavailable"]
+__all__ = ["HANG_MARKER", "REAP_SIGNAL", "Watchdog", "hang_once", "unavailable"]
 
 REAP_SIGNAL = signal.SIGPIPE
 _ARMED: list[bool] = []  # set once the reap signal is armed in this process
@@ -146,12 +145,3 @@ def hang_once(ckpt_dir: str, step: int, log: Callable[[str], None]) -> None:
     log(f"injected hang: the save of step {step} blocks forever")
     while True:
         time.sleep(3600)
-
-
-def process_start() -> float:
-    """When this process was created (Unix time, to the kernel's clock tick, 10 ms), from
-    ``/proc/self/stat``: the start of ``--log-times``' "process start and imports" part."""
-    stat = Path("/proc/self/stat").read_text()
-    ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22: start, in ticks since boot
-    age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
-    return time.time() - age

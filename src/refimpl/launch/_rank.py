@@ -1,6 +1,6 @@
 """The plumbing of one rank's process: how `refimpl.launch.spawn` starts, sets up and kills it.
 
-Kept apart from `refimpl.launch` so the launcher's logic (what to wait for, which failure is
+Kept apart from `refimpl.launch._spawn` so the launcher's logic (what to wait for, which failure is
 the root cause) reads without the operating-system details (process groups, death signals,
 file descriptors).
 """
@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from refimpl._exit_hooks import run_exit_hooks
+from refimpl._system.proc import pid_alive, pids_with_env, state
 
 STARTUP_TIMEOUT_S = 60.0  # for ranks to start and meet, whatever the collective timeout
 TCPStore = dist.TCPStore  # type: ignore[attr-defined]  # not in torch.distributed's __all__
@@ -98,16 +99,8 @@ def signal_name(signum: int) -> str:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     # A killed launcher whose own parent has not reaped it yet is a zombie: dead already.
-    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    return True
+    return pid_alive(pid) and state(pid) != "Z"
 
 
 def wait_for_all_ranks(store: Any, world_size: int, timeout_s: float) -> None:
@@ -335,18 +328,6 @@ JOB_MARKER = "REFIMPL_JOB"
 """Environment variable every rank (and, by inheritance, everything it starts) carries."""
 
 
-def _marked(job: str) -> list[int]:
-    """Pids of this user's processes whose environment carries ``REFIMPL_JOB=job``."""
-    needle = f"{JOB_MARKER}={job}".encode()
-    found = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            with contextlib.suppress(OSError), open(f"/proc/{entry.name}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    found.append(int(entry.name))
-    return found
-
-
 def kill_all(procs: Sequence[Any], job: str | None = None) -> None:
     """SIGKILL every rank's process group (the rank and whatever it started), then reap.
 
@@ -363,7 +344,7 @@ def kill_all(procs: Sequence[Any], job: str | None = None) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(proc.pid, signal.SIGKILL)
     if job is not None and os.path.isdir("/proc"):
-        for pid in _marked(job):
+        for pid in pids_with_env(f"{JOB_MARKER}={job}"):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
     for proc in procs:

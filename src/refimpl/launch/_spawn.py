@@ -1,13 +1,7 @@
-"""Start a gloo (or NCCL) process group from a notebook, a test or a script, and never hang.
+"""`spawn`: run a function on N local ranks, and end the whole job at the first failure.
 
-`spawn` is the launcher every chapter uses. It runs ``fn(*args)`` on ``world_size`` local
-processes with the process group already initialised, and returns their results in rank
-order. The first rank that fails (an exception, a crash, a signal) or a job that runs past
-``timeout_s`` ends the whole job: every rank, and everything a rank started, is killed, and
-the error is re-raised in the caller with the rank that caused it and that rank's traceback.
-
-`init_from_env` is the same set-up for processes that `torchrun` started, so the same worker
-function runs on a laptop under `spawn` and on a cluster under `torchrun`.
+What to wait for and which failure is the root cause; how one rank's process starts, sets
+itself up and is killed is in `refimpl.launch._rank`.
 """
 
 from __future__ import annotations
@@ -27,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from refimpl._rank_process import (
+from refimpl.launch._rank import (
     JOB_MARKER,
     TCPStore,
     as_child_sees_it,
@@ -40,18 +34,6 @@ from refimpl._rank_process import (
     read_report,
     signal_name,
 )
-from refimpl._torchrun_init import RankInfo, init_from_env
-
-__all__ = [
-    "DEFAULT_PG_TIMEOUT_S",
-    "DEFAULT_TIMEOUT_S",
-    "NotSpawnableError",
-    "RankInfo",
-    "WorkerError",
-    "WorkerTimeout",
-    "init_from_env",
-    "spawn",
-]
 
 DEFAULT_TIMEOUT_S = 60.0
 """Wall-clock limit of a whole `spawn` job, in seconds."""
@@ -183,7 +165,7 @@ def _forkserver_preload() -> list[str]:
     of a process and keeps its modules for every later one.
     """
     loaded = [name for name in _PRELOAD_IF_LOADED if name in sys.modules]
-    return ["torch", "torch.distributed", "torch._dynamo", *loaded, "refimpl._rank_process"]
+    return ["torch", "torch.distributed", "torch._dynamo", *loaded, "refimpl.launch._rank"]
 
 
 def spawn(
@@ -247,9 +229,19 @@ def spawn(
     job = f"{os.getpid()}-{os.urandom(6).hex()}"
     try:
         return _run(
-            ctx, fn, world_size, args, backend, pg_timeout_s, rank_output, run_dir, job, procs,
-            deadline, timeout_s,
-        )  # fmt: skip
+            ctx,
+            fn,
+            world_size,
+            args,
+            backend=backend,
+            pg_timeout_s=pg_timeout_s,
+            rank_output=rank_output,
+            run_dir=run_dir,
+            job=job,
+            procs=procs,
+            deadline=deadline,
+            timeout_s=timeout_s,
+        )
     finally:
         kill_all(procs, job)
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -269,6 +261,7 @@ def _run(
     fn: Callable[..., Any],
     world_size: int,
     args: tuple[Any, ...],
+    *,
     backend: str,
     pg_timeout_s: float,
     rank_output: str,
