@@ -90,7 +90,8 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
         # weight tying, as in nanoGPT
         self.transformer["wte"].weight = self.lm_head.weight
-        for name, p in self.named_parameters():  # nanoGPT's init: it draws from the RNG
+        # nanoGPT's init: it draws from the RNG
+        for name, p in self.named_parameters():
             if p.dim() >= 2:
                 std = (
                     0.02 / math.sqrt(2 * c.n_layer)
