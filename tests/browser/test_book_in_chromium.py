@@ -182,13 +182,14 @@ def test_page_renders_title_and_figures_without_errors(browser, base_url: str, d
 
 # A phone: the page itself never scrolls sideways (a long inline literal breaks; a table or a
 # code block too wide for the screen scrolls inside its own box), and code blocks keep their
-# lines: each line of code (not of output, which wraps) is one rendered line (no wrap), so
-# indentation stays readable.
+# lines: each line of code (not of text output, which wraps; code a cell shows through a lexer
+# counts as code) is one rendered line (no wrap), so indentation stays readable.
 PHONE_JS = """() => {
   const page = document.scrollingElement;
   const wrapped = [];
   const code = Array.from(document.querySelectorAll('article div.highlight pre'))
-    .filter(pre => !pre.closest('div.cell_output, div.output'));
+    .filter(pre => !pre.closest('div.cell_output, div.output')
+      || pre.closest('div.highlight-python, div.highlight-diff'));
   for (const pre of code) {
     const style = getComputedStyle(pre);
     const lines = pre.textContent.replace(/\\n$/, '').split('\\n').length;
