@@ -182,7 +182,8 @@ def _cpu_seconds() -> float:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """With ``REFIMPL_TEST_COST=FILE``, append each test's wall and CPU seconds to FILE.
 
-    One JSON line per test (``{"nodeid", "wall_s", "cpu_s"}``); CPU counts the worker and
+    One JSON line per test (``{"worker", "start_s", "nodeid", "wall_s", "cpu_s"}``, start on
+    the monotonic clock, so a run's lanes can be drawn on one timeline); CPU counts the worker and
     every process it started and reaped (torchrun, its ranks, a notebook's kernel), which is
     what ``_SECONDS`` and ``_LIGHT`` below are chosen from.
     """
@@ -193,6 +194,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     wall, cpu = time.monotonic(), _cpu_seconds()
     yield
     row = {
+        "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
+        "start_s": round(wall, 3),
         "nodeid": item.nodeid,
         "wall_s": round(time.monotonic() - wall, 3),
         "cpu_s": round(_cpu_seconds() - cpu, 3),
