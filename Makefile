@@ -16,11 +16,11 @@ NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-tim
 # Test workers (pytest-xdist), one file per work unit: a notebook's cells run in order in one
 # kernel, and a test file runs whole on one worker. TEST_WORKERS=0 runs everything in order.
 # Three: two take any file, longest first (tests/conftest.py; --no-loadscope-reorder keeps
-# that order), so no worker is left with a long file at the end; the third takes only the
-# files that mostly wait (timeouts, stalls, restarts) and use little CPU (conftest's _LIGHT),
-# filling the time the cores would sit idle. Never three CPU-heavy files on the two cores:
-# then the chapters' measured shapes (chapter 1's all-reduce against its memcpy floor) and
-# the elastic runs' heartbeats start to fail under the contention.
+# that order), so no worker is left with a long file at the end; the third takes the files
+# that mostly wait (timeouts, stalls, restarts) and use little CPU (conftest's _LIGHT), filling
+# the time the cores would sit idle, then short test files (never a chapter) of the tail.
+# Never three CPU-heavy files on the two cores: then the chapters' measured shapes (chapter
+# 1's all-reduce against its memcpy floor) and the elastic runs' heartbeats start to fail.
 TEST_WORKERS ?= 3
 PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 export PYTHONHASHSEED := 0
