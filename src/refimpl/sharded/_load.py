@@ -26,7 +26,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from refimpl.sharded import _state
 from refimpl.sharded._commit import METADATA, Expected
 from refimpl.sharded._dcp_metadata import UnsafeMetadata, check_metadata
 from refimpl.sharded._errors import LOAD_ADVICE, ShardedCheckpointError, dcp_errors
@@ -39,6 +38,7 @@ from refimpl.sharded._read import (
     check_kinds,
 )
 from refimpl.sharded._seen import Seen
+from refimpl.sharded._state import Applied, apply, decode, names_in, targets
 
 logger = logging.getLogger("refimpl.sharded")
 
@@ -131,12 +131,12 @@ def _apply_agreed(
     state: Mapping[str, Any],
     values: Mapping[str, Any],
     skipped: list[str],
-    applied: _state.Applied,
+    applied: Applied,
 ) -> None:
     """Put the ``state=`` values in place on every rank, or on none: when any rank's
     ``load_state_dict`` raises, every rank puts its entries back and raises one error."""
     try:
-        _state.apply(state, values, skipped, applied)
+        apply(state, values, skipped, applied)
         mine = None
     except Exception as exc:
         mine = str(exc)
@@ -238,12 +238,12 @@ def load_step(
     planned = _without(target, excluded)
     wanted: dict[str, Any] = {}
     skipped: list[str] = []
-    applied = _state.Applied(state or {})
+    applied = Applied(state or {})
     if state:
         same_world = saved_world in (0, group.size)
         saved = set(metadata.state_dict_metadata)
-        wanted, missing, skipped = _state.targets(state, group.rank, same_world, saved)
-        shared_names, rank_names, _ranks = _state.names_in(sorted(saved))
+        wanted, missing, skipped = targets(state, group.rank, same_world, saved)
+        shared_names, rank_names, _ranks = names_in(sorted(saved))
         mine = (
             f"rank {group.rank}: no entry {', '.join(missing)} (the step has shared "
             f"{shared_names} and per-rank {rank_names})"
@@ -264,7 +264,7 @@ def load_step(
         seen = {**(seen or {}), **reader.records}  # what this rank just hashed: not again
         values: dict[str, Any] = {}
         try:
-            values, mine = _state.decode(wanted), None
+            values, mine = decode(wanted), None
         except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as exc:
             mine = f"rank {group.rank}: a state entry is not weights-only ({exc})"
         _refuse(group, step_dir, mine, "refused before anything was set", unsafe=True)

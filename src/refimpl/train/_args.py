@@ -10,7 +10,7 @@ import argparse
 from collections.abc import Sequence
 
 from refimpl._system.argtypes import float_range, int_range, nonempty
-from refimpl.train import _watchdog
+from refimpl.train._watchdog import unavailable as watchdog_unavailable
 
 __all__ = ["DESCRIPTION", "parse_args"]
 
@@ -131,6 +131,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.sharded and "rng" in args.no_restore:
         p.error("--sharded saves no RNG state (each step re-seeds dropout): nothing to leave out")
-    if args.step_timeout is not None and (why := _watchdog.unavailable()):
+    if args.step_timeout is not None and (why := watchdog_unavailable()):
         p.error(why)
     return args

@@ -82,14 +82,14 @@ class Backend(Saves, Protocol):
 def backend(config: TrainConfig) -> Backend:
     """The backend ``config.sharded`` picks."""
     if not config.sharded:
-        from refimpl.train import _files
+        import refimpl.train._files as file_backend
 
-        return _files
+        return file_backend
     # Imported only here: torch.distributed.checkpoint and DTensor add a large share of every
     # worker's start-up CPU, and a torchrun restart pays it again on every rank.
-    from refimpl.train import _sharded
+    import refimpl.train._sharded as sharded_backend
 
-    return _sharded
+    return sharded_backend
 
 
 def saves(config: TrainConfig, chosen: Backend, log: Log) -> Saves:

@@ -22,13 +22,13 @@ from refimpl.dirlock import DirLock
 from refimpl.launch import init_from_env
 from refimpl.preemption import StopOnSigterm
 from refimpl.sync import barrier_safe
-from refimpl.train import _watchdog
 from refimpl.train._args import parse_args
 from refimpl.train._backend import Backend, backend, saves
 from refimpl.train._config import TrainConfig
 from refimpl.train._hooks import Hooks
 from refimpl.train._resume import refuse_fresh_start
 from refimpl.train._schedule import make_scheduler
+from refimpl.train._watchdog import Watchdog
 
 __all__ = ["main", "make_data", "make_model"]
 
@@ -127,7 +127,7 @@ def _train(config: TrainConfig, rank: int, world: int, device: torch.device, log
     log(f"start: world {world}, restart {restarts}, device {device}")
     step = _load(config, chosen, model, opt, sched, sampler, device, log)
     saver = saves(config, chosen, log)  # after the load: a restart's first save must not race
-    watchdog = _watchdog.Watchdog(config.step_timeout)
+    watchdog = Watchdog(config.step_timeout)
     if log.bar is not None:
         log.bar.update(step)
     batches = ResumableBatches(sampler)  # epoch after epoch, from where the sampler stands
