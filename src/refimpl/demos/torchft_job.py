@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -283,12 +284,15 @@ def run_ft_job(
 
     ``die=(r, s)``: group r SIGKILLs itself in step s (after its quorum and forward pass, so
     the others' all-reduce of that step fails). ``hold_rejoin_at``: the groups that were not
-    killed wait before that step until the replacement's Manager is up (so a short demo shows
-    the rejoin on a loaded machine). ``kill_every``: SIGKILL a group every so many seconds of
-    training (groups 1, 0, 1, ... of 2; round robin), each kill only once every group is back
-    in the quorum: the first kill is due ``kill_every`` after the start, each next one
-    ``kill_every`` after every group is back (seconds of whole-job uptime between failures).
-    Dead groups are started again at once. ``samples`` defaults to two epochs of ``steps``.
+    killed wait before that step until the replacement has asked the Lighthouse for a quorum,
+    and the replacement asks only once they all wait, so the quorum of that step has every
+    group whatever the machine's load (the Lighthouse forms a "fast quorum" as soon as the
+    previous quorum's groups are all back, without a newcomer that asks a moment later).
+    ``kill_every``: SIGKILL a group every so many seconds of training (groups 1, 0, 1, ... of
+    2; round robin), each kill only once every group is back in the quorum: the first kill is
+    due ``kill_every`` after the start, each next one ``kill_every`` after every group is back
+    (seconds of whole-job uptime between failures). Dead groups are started again at once.
+    ``samples`` defaults to two epochs of ``steps``.
     Raises `TimeoutError` after ``timeout_s``, and RuntimeError when a group exits with an
     error (with its stderr's tail) or its restarts run out. ``stock_ddp=True`` runs torchft's
     own DDP wrapper, whose failed all-reduce kills the survivors (see `torchft_replica`).
@@ -357,6 +361,8 @@ def run_ft_job(
             cmd += ["--die-at-step", str(die[1])]
         if first and hold_rejoin_at is not None and (die is None or die[0] != r):
             cmd += ["--hold", f"{hold_rejoin_at}:{gates / 'rejoin'}"]
+        if not first and launches[r] == 1 and hold_rejoin_at is not None:
+            cmd += ["--hold", f"0:{gates / 'held'}"]  # the replacement: ask once all wait
         job.starts.append((time.time(), r))
         launches[r] += 1
         reps.start(r, cmd, {**env, "RANK": str(r)}, work / f"replica{r}.stderr")
@@ -376,9 +382,8 @@ def run_ft_job(
         finished: set[int] = set()
         while len(finished) < replicas:
             _check(reps, deadline, work, replicas)
-            rejoin = die is not None and (gates / f"ready{die[0]}.1").exists()
-            if hold_rejoin_at is not None and rejoin:
-                (gates / "rejoin").touch()
+            if hold_rejoin_at is not None and die is not None:
+                _open_rejoin_gates(gates, lighthouse.address(), replicas, die[0])
             for r, proc in list(reps.procs.items()):
                 code = proc.poll()
                 if code is None or r in finished:
@@ -411,6 +416,32 @@ def run_ft_job(
         lighthouse.shutdown()
         job.lines = reps.snapshot()
     return job
+
+
+def _open_rejoin_gates(gates: Path, lighthouse: str, replicas: int, victim: int) -> None:
+    """Let the replacement ask for a quorum once the others wait, then let them ask too."""
+    held, rejoin = gates / "held", gates / "rejoin"
+    if rejoin.exists():
+        return
+    if not held.exists():
+        waiting = (gates / f"rejoin.held-{r}" for r in range(replicas) if r != victim)
+        if all(p.exists() for p in waiting):
+            held.touch()
+        return
+    if (gates / f"held.held-{victim}").exists() and _quorum_askers(lighthouse) >= 1:
+        rejoin.touch()  # the replacement is in the Lighthouse's next quorum
+
+
+def _quorum_askers(lighthouse: str) -> int:
+    """Healthy groups waiting in the Lighthouse for the next quorum (its ``/status`` page)."""
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never a proxy
+    try:
+        with direct.open(f"{lighthouse}/status", timeout=2) as page:
+            text = page.read().decode("utf-8", "replace")
+    except OSError:
+        return 0
+    found = re.search(r"\[(\d+)/\d+ participants healthy\]", text)
+    return int(found.group(1)) if found else 0
 
 
 def _all_in(reps: _Replicas, job: FTJob, replicas: int) -> bool:

@@ -60,7 +60,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="STEP:FILE",
-        help="before step STEP, wait until FILE exists (the demo's gates)",
+        help="before step STEP, wait until FILE exists (the demo's gates; repeatable)",
     )
     p.add_argument(
         "--stop-file", default=None, help="if it exists at a step's start: the job is done, exit 0"
@@ -94,6 +94,8 @@ def _watchdog(replica: int, seconds: float) -> None:
 
 
 def _wait_for(path: str, replica: int, timeout: float) -> None:
+    """Wait until ``path`` exists; ``{path}.held-{replica}`` says to the job that we wait."""
+    Path(f"{path}.held-{replica}").touch()
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
         if time.monotonic() > deadline:
@@ -194,15 +196,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         x, y = make_data(args.samples, args.seed)
         if args.ready_file:
             Path(args.ready_file).touch()
-        holds = {int(s): f for s, f in (h.split(":", 1) for h in args.hold)}
+        holds: dict[int, list[str]] = {}
+        for step_text, gate in (h.split(":", 1) for h in args.hold):
+            holds.setdefault(int(step_text), []).append(gate)
         _say(args.replica, f"start pid {os.getpid()}")
         while manager.current_step() < args.steps:
             before = manager.current_step()
             if args.stop_file and os.path.exists(args.stop_file):
                 _say(args.replica, f"stopped: the job finished without this group (step {before})")
                 return 0
-            if before in holds:
-                _wait_for(holds[before], args.replica, args.timeout)
+            for gate in holds.get(before, []):
+                _wait_for(gate, args.replica, args.timeout)
             opt.zero_grad()  # the quorum; a group that is behind is healed from a peer here
             step = manager.current_step()
             if step != before:
