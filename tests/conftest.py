@@ -162,31 +162,43 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> LoadFil
     return _LightLaneScheduling(config, log)
 
 
-def _forkserver_cpu_seconds() -> float:
-    """CPU time of multiprocessing's fork server and the ranks it forked and reaped.
+def _live_descendants_cpu_seconds(pid: int) -> float:
+    """CPU time of ``pid``'s live children and of everything below them, from /proc.
 
-    `refimpl.launch.spawn` starts ranks from a fork server that lives as long as the worker,
-    so the ranks' time never reaches this process's children's total; /proc has it.
+    A live child's own time and the time of the children it reaped are in its ``stat``
+    (utime, stime, cutime, cstime); its live children are counted by recursion. This is what
+    the worker's own totals miss: a notebook's kernel reaps the torchrun jobs its cells start
+    and lives until the notebook ends, and the fork server of `refimpl.launch.spawn` reaps the
+    ranks and outlives every test.
     """
-    from multiprocessing import forkserver
-
-    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
-    if not pid:
-        return 0.0
+    total = 0.0
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
         return 0.0
-    utime, stime, cutime, cstime = (int(x) for x in stat.rsplit(")", 1)[1].split()[11:15])
-    return (utime + stime + cutime + cstime) / os.sysconf("SC_CLK_TCK")
+    for task in tasks:
+        try:
+            children = [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue
+        for child in children:
+            try:
+                stat = Path(f"/proc/{child}/stat").read_text()
+            except OSError:
+                continue
+            ticks = (int(x) for x in stat.rsplit(")", 1)[1].split()[11:15])
+            total += sum(ticks) / os.sysconf("SC_CLK_TCK")
+            total += _live_descendants_cpu_seconds(child)
+    return total
 
 
 def _cpu_seconds() -> float:
-    """CPU time of this process, of every child it (or they, recursively) reaped, and of the
-    ranks its fork server started."""
+    """CPU time of this process, of every child it (or they, recursively) reaped, and of its
+    live children and their descendants."""
     own = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + _forkserver_cpu_seconds()
+    live = _live_descendants_cpu_seconds(os.getpid())
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + live
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -195,7 +207,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
     One JSON line per test (``{"worker", "start_s", "nodeid", "wall_s", "cpu_s"}``, start on
     the monotonic clock, so a run's lanes can be drawn on one timeline); CPU counts the worker and
-    every process it started and reaped (torchrun, its ranks, a notebook's kernel), which is
+    every process it started (torchrun, its ranks, a notebook's kernel and its jobs), which is
     what ``_SECONDS`` and ``_LIGHT`` below are chosen from.
     """
     out = os.environ.get("REFIMPL_TEST_COST")
