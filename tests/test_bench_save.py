@@ -31,19 +31,22 @@ FILE_RATIOS = (
 
 @pytest.mark.slow
 def test_overhead_benchmark_rows_ratios_and_plot(tmp_path: Path) -> None:
-    argv = ["--out", str(tmp_path), "--sizes-mb", "2", "4", "--repeats", "5", "--quiet"]
+    # One small size: the JSON's shape per size is what is checked here (two sizes cost twice
+    # the CPU and check the same code); the committed run has two, and the figure and table
+    # tests read that.
+    argv = ["--out", str(tmp_path), "--sizes-mb", "2", "--repeats", "5", "--quiet"]
     assert main(argv) == 0
     data = json.loads((tmp_path / "save.json").read_text())
     rows = data["rows"]
     assert {r["method"] for r in rows} == set(METHODS)
-    assert {r["bytes"] for r in rows} == {2 << 20, 4 << 20}
+    assert {r["bytes"] for r in rows} == {2 << 20}
     for r in rows:
         assert r["repeats"] == 5
         assert r["blocking_s_min"] <= r["blocking_s_median"] <= r["blocking_s_max"]
         assert r["blocking_s_median"] <= r["total_s_median"] * 1.0001, r["method"]
         if not r["method"].startswith(("dcp_async", "async_")):  # synchronous: blocked for all
             assert r["blocking_s_median"] == r["total_s_median"]
-    assert set(data["ratios"]) == {"2", "4"} and set(data["train_step"]) == {"2", "4"}
+    assert set(data["ratios"]) == {"2"} and set(data["train_step"]) == {"2"}
     kinds = ("save", "low_save", "piece_save", "paced_save", "process_save")
     for kind in kinds:
         assert data["train_step"]["2"][f"steps_during_{kind}"] >= 1, kind

@@ -29,7 +29,7 @@ from refimpl.demos.train import (
     train_command,
 )
 from refimpl.launch import WorkerError, spawn
-from refimpl.train import FAULT_MARKER, main, parse_args
+from refimpl.train import main, parse_args
 
 ARGS = ["--steps", "12", "--save-every", "4", "--samples", "64", "--seed", "3"]
 
@@ -64,26 +64,9 @@ def preempted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, TrainRun]
     return d / "ckpt", run
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(170)
-def test_torchrun_restarts_after_a_killed_worker_and_ends_bit_identical(
-    reference: tuple[Path, TrainRun], tmp_path: Path
-) -> None:
-    run = _ok(run_train(_args(tmp_path, "--fail-at-step", "7"), timeout_s=100))
-    summary = attempts(run.events)
-    assert [a["end"] for a in summary] == ["fault on rank 1 at step 7", "done at step 12"]
-    assert [a["resumed_from"] for a in summary] == [0, 4]  # torchrun's restart count: 0, then 1
-    # The dying rank's last line is there although it left by os._exit with stdout a pipe,
-    # and lines of the two ranks never mix (each is one write, flushed at once).
-    assert run.stdout.count("[rank1] injected fault") == 1
-    assert all(line.startswith(("[rank0] ", "[rank1] ")) for line in run.stdout.splitlines())
-    assert (tmp_path / "ckpt" / FAULT_MARKER.format(step=7)).exists()
-    # Steps 5 and 6 were trained twice: the replay logged the very same losses, and every
-    # loss equals the uninterrupted run's.
-    first, second = summary[0]["losses"], summary[1]["losses"]
-    assert {s: first[s] for s in (5, 6)} == {s: second[s] for s in (5, 6)}
-    assert attempts(reference[1].events)[0]["losses"] == {**first, **second}
-    assert same_weights(reference[0], tmp_path / "w.pt")
+# A worker killed at step 7 under torchrun, restarted, ending bit-identical with the same
+# losses (the replayed steps' too), its last line in the log, no mixed lines: chapter 10's
+# crash cells run and assert exactly that under nbval, so it is not run a second time here.
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ import pytest
 from helpers.sharded_craft import bytes_item_in_place_of, drop_item
 
 from refimpl.demos.chaos_runs import chaos_train
-from refimpl.demos.train import TrainRun, attempts, parse_log, run_train, same_weights
+from refimpl.demos.train import TrainRun, run_train, same_weights
 from refimpl.launch import WorkerError, spawn
 from refimpl.sharded import verify_sharded
 from refimpl.train import main, parse_args
@@ -44,23 +44,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(170)
-def test_sharded_torchrun_restart_after_a_killed_worker_is_bit_identical(
-    reference: Path, tmp_path: Path
-) -> None:
-    run = _ok(run_train(_args(tmp_path, "--fail-at-step", "7"), timeout_s=100))
-    summary = attempts(run.events)
-    assert [a["end"] for a in summary] == ["fault on rank 1 at step 7", "done at step 12"]
-    assert [a["resumed_from"] for a in summary] == [0, 4]
-    uninterrupted = attempts(parse_log((reference / "run.txt").read_text()))
-    assert uninterrupted[0]["losses"] == {
-        **summary[0]["losses"],
-        **summary[1]["losses"],
-    }
-    assert same_weights(reference / "w.pt", tmp_path / "w.pt")
-    for step_dir in sorted((tmp_path / "ckpt").glob("step_*")):
-        verify_sharded(step_dir)  # every committed step verifies against its manifest
+# The sharded run killed at step 7 under torchrun, restarted, bit-identical, every committed
+# step verifying: chapter 10's sharded cell runs and asserts that under nbval.
 
 
 @pytest.mark.slow

@@ -106,7 +106,9 @@ def test_the_readme_command_as_printed_passes_every_scenario_and_leaves_no_proce
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("variant", ["no-rng", "no-sampler"])
+# The RNG forgotten is chapter 10's broken.py (one line less than reader_trainer.py), run
+# under python -m refimpl.chaos there and asserted the same way: exit 1, the first layer named.
+@pytest.mark.parametrize("variant", ["no-sampler"])
 def test_trainer_that_forgets_state_fails_naming_the_key(
     variant: str, tmp_path: Path, reference: Path
 ) -> None:
