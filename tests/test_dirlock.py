@@ -264,6 +264,10 @@ def test_torchrun_restart_after_rank_0_is_sigkilled_gets_the_lock_and_finishes(
         "64",
         "--ckpt-dir",
         str(tmp_path / "ckpt"),
+        # The kill is sent when rank 0's "step 5" line is read; without a pause between steps
+        # a loaded machine read it after step 8 was saved (the restart then resumed from 8).
+        "--step-sleep",
+        "0.5",
     ]
     run = run_train(args, kills=[(0, 5)], timeout_s=150)
     assert run.returncode == 0, f"{run.stdout}\n{run.stderr[-3000:]}"
