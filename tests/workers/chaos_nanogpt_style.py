@@ -10,8 +10,12 @@ from the global RNG and saves the checkpoint from rank 0 only.
 Flags pick the variants the tests need: ``--ckpt-dtype float16`` keeps the checkpoint's weights
 in fp16 (a resume then continues from rounded weights), ``--rng-save`` saves and restores
 every rank's RNG (without it a resume draws other batches), ``--dropout 0.0 --batches
-sequential`` leaves no randomness at all. Prints ``samples: RANK STEP i,j,...`` for each
-batch it trains (the line format `refimpl.chaos` counts samples by).
+sequential`` leaves no randomness at all. ``--late-rank0 S``: after a restart, rank 0 builds
+its process group S seconds after rank 1 (the restart then meets the killed attempt's keys
+on torchrun's shared store more often: 3 restarts of 4 in a small sample here).
+Prints
+``samples: RANK STEP i,j,...`` for each batch it trains (the line format `refimpl.chaos`
+counts samples by).
 """
 
 from __future__ import annotations
@@ -35,12 +39,16 @@ p.add_argument("--batches", choices=["random", "sequential"], default="random")
 p.add_argument("--ckpt-dtype", choices=["float32", "float16"], default="float32")
 p.add_argument("--rng-save", action="store_true")
 p.add_argument("--step-sleep", type=float, default=0.05)
+p.add_argument("--late-rank0", type=float, default=0.0)
 args = p.parse_args()
 ckpt_path = os.path.join(args.out, "ckpt.pt")
 init_from = "resume" if os.path.exists(ckpt_path) else "scratch"
 print(f"Overriding: init_from = {init_from}, dropout = {args.dropout}", flush=True)
 
 ddp = int(os.environ.get("RANK", -1)) != -1
+restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+if ddp and restarted and int(os.environ["RANK"]) == 0:
+    time.sleep(args.late_rank0)
 if ddp:  # the trainer's own process group, as nanoGPT does it
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
