@@ -237,6 +237,21 @@ def test_root_cause_wins_over_a_peer_wrapping_its_connection_error() -> None:
     assert isinstance(info.value.__cause__, ValueError)
 
 
+def test_a_symptom_reported_first_waits_for_the_cause_that_reports_later() -> None:
+    """A fresh-clone run named rank 1's MainProcessFailed instead of rank 0's error: rank 0
+    reported more than the 1 s grace after its symptom. Symptoms alone now wait longer."""
+    with pytest.raises(WorkerError) as info:
+        spawn(
+            launch_workers.symptom_on_rank1_then_the_cause_on_rank0_late,
+            2,
+            3.0,
+            timeout_s=30,
+            pg_timeout_s=10,
+        )
+    assert info.value.rank == 0, info.value
+    assert isinstance(info.value.__cause__, ValueError)
+
+
 # --- Issue 14: whatever a rank does, spawn ends within timeout_s with the rank named ------
 
 

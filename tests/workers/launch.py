@@ -100,6 +100,15 @@ def real_cause_on_rank1_wrapped_collateral_on_rank0() -> None:
         raise RuntimeError("rank 0: all-reduce did not complete") from exc
 
 
+def symptom_on_rank1_then_the_cause_on_rank0_late(delay_s: float) -> None:
+    """Rank 1 raises a symptom at once (a `DistError`, as `MainProcessFailed` is); rank 0,
+    the cause, reports ``delay_s`` later (still unwinding, or slow on a loaded machine)."""
+    if dist.get_rank() == 1:
+        raise dist.DistError("rank 1: rank 0 failed first; its error is the cause")
+    time.sleep(delay_s)
+    raise ValueError("the real cause, on rank 0, reported late")
+
+
 def die_while_reporting(n_mb: int) -> bytes:
     """Rank 1 returns a large result and is SIGKILLed while it is being sent back."""
     import signal

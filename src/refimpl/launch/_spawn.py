@@ -41,6 +41,9 @@ DEFAULT_PG_TIMEOUT_S = 30.0
 """Default limit of one collective inside the process group, in seconds."""
 _PEER_GONE = ("gloo/transport", "Connection closed", "Connection reset", "communicator was aborted")
 _COLLATERAL_GRACE_S = 1.0  # how long to wait for the root cause after the first failure
+# ... and how long, at most, while every failure so far is a symptom (a peer gone, rank 0
+# failed inside main_process_first): the rank that caused it may take longer to report.
+_ROOT_CAUSE_WAIT_S = 10.0
 
 
 class NotSpawnableError(ValueError):
@@ -353,7 +356,9 @@ def _collect(
     while len(values) + len(failures) < world_size:
         now = time.monotonic()
         if first_failure_at is not None and now > first_failure_at + _COLLATERAL_GRACE_S:
-            break
+            symptoms_only = all(_is_collateral(f) for f in failures)
+            if not symptoms_only or now > first_failure_at + _ROOT_CAUSE_WAIT_S:
+                break
         if now > deadline:
             running = [r for r in range(world_size) if r not in values]
             late = WorkerTimeout(running, timeout_s)
