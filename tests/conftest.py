@@ -31,6 +31,8 @@ from xdist.remote import Producer
 from xdist.scheduler import LoadFileScheduling
 from xdist.workermanage import WorkerController
 
+from refimpl._system import proc
+
 ROOT = Path(__file__).resolve().parent.parent
 
 _DEFAULT = 5
@@ -162,8 +164,11 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> LoadFil
     return _LightLaneScheduling(config, log)
 
 
-def _live_descendants_cpu_seconds(pid: int) -> float:
-    """CPU time of ``pid``'s live children and of everything below them, from /proc.
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _live_descendant_ticks(pid: int) -> int:
+    """CPU clock ticks of ``pid``'s live children and of everything below them, from /proc.
 
     A live child's own time and the time of the children it reaped are in its ``stat``
     (utime, stime, cutime, cstime); its live children are counted by recursion. This is what
@@ -171,25 +176,24 @@ def _live_descendants_cpu_seconds(pid: int) -> float:
     and lives until the notebook ends, and the fork server of `refimpl.launch.spawn` reaps the
     ranks and outlives every test.
     """
-    total = 0.0
+    ticks = 0
     try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        tasks = [task.name for task in Path(f"/proc/{pid}/task").iterdir()]
     except OSError:
-        return 0.0
+        return 0
     for task in tasks:
         try:
-            children = [int(c) for c in (task / "children").read_text().split()]
+            children = [int(c) for c in proc.read(pid, f"task/{task}/children").split()]
         except (OSError, ValueError):
             continue
         for child in children:
             try:
-                stat = Path(f"/proc/{child}/stat").read_text()
+                fields = proc.stat_fields(proc.read(child, "stat"))
             except OSError:
                 continue
-            ticks = (int(x) for x in stat.rsplit(")", 1)[1].split()[11:15])
-            total += sum(ticks) / os.sysconf("SC_CLK_TCK")
-            total += _live_descendants_cpu_seconds(child)
-    return total
+            ticks += sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
+            ticks += _live_descendant_ticks(child)
+    return ticks
 
 
 def _cpu_seconds() -> float:
@@ -197,7 +201,7 @@ def _cpu_seconds() -> float:
     live children and their descendants."""
     own = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    live = _live_descendants_cpu_seconds(os.getpid())
+    live = _live_descendant_ticks(os.getpid()) / _CLOCK_TICKS
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + live
 
 

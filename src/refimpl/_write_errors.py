@@ -85,7 +85,7 @@ def interrupt_in(exc: BaseException) -> BaseException | None:
     return None
 
 
-def advice(err: OSError, path: Path) -> str:
+def oserror_advice(err: OSError, path: Path) -> str:
     """What to do next about ``err``, raised while writing ``path``."""
     if err.errno in DISK_FULL:
         return "Free some space (or raise the quota), then save again"

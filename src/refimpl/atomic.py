@@ -32,7 +32,7 @@ from refimpl import _publish
 from refimpl._publish import remove_stale_temps, temp_path
 from refimpl._system import disk
 from refimpl._system.disk import fsync_dir
-from refimpl._write_errors import WatchedFile, advice, interrupt_in, root_oserror
+from refimpl._write_errors import WatchedFile, interrupt_in, oserror_advice, root_oserror
 
 __all__ = [
     "COMMIT_MARKER",
@@ -140,7 +140,7 @@ def atomic_write(
         raise OSError(  # OSError(errno, ...) is the errno's subclass (FileNotFoundError, ...)
             exc.errno,
             f"cannot write {path}:\ncreating a temporary file in {path.parent} failed "
-            f"({exc.strerror or exc}).\n{advice(exc, path)}",
+            f"({exc.strerror or exc}).\n{oserror_advice(exc, path)}",
         ) from exc
     watched = WatchedFile(f)
     stage = "serialise"  # then "write": from here on every OSError is the file's
@@ -177,7 +177,7 @@ def atomic_write(
                 os_error.errno,
                 f"atomic write of {path} failed ({os_error.strerror or os_error});\n"
                 f"the previous {path.name} is untouched and the temporary file was removed.\n"
-                f"{advice(os_error, path)}",
+                f"{oserror_advice(os_error, path)}",
             ) from exc
         raise
     if links > 1:

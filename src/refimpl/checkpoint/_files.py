@@ -30,7 +30,7 @@ from refimpl._pack import PACK as _PACK
 from refimpl._pack import KeyRange, KeyWindow, write_pack
 from refimpl._publish import Stage, publish_dir, restore_asides, temp_dir, temp_path
 from refimpl._regular_file import read_regular
-from refimpl._write_errors import advice, root_oserror
+from refimpl._write_errors import oserror_advice, root_oserror
 from refimpl.atomic import (
     COMMIT_MARKER,
     DIGESTS,
@@ -430,8 +430,8 @@ def save_checkpoint(
         raise CheckpointError(
             final,
             f"save of step {step} failed while writing {writing} ({err.strerror or err}). "
-            f"{advice(err, final)}. Earlier checkpoints (and any earlier copy of this step) are "
-            "intact and the temporary files were removed.",
+            f"{oserror_advice(err, final)}. Earlier checkpoints (and any earlier copy of this "
+            "step) are intact and the temporary files were removed.",
         ) from exc
     except BaseException:
         if tmp is not None:

@@ -15,8 +15,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from refimpl._write_errors import DISK_FULL, root_oserror
-from refimpl._write_errors import advice as _oserror_advice
+from refimpl._write_errors import DISK_FULL, oserror_advice, root_oserror
 from refimpl.checkpoint import CheckpointError
 from refimpl.sharded._read import ShardMismatch, UnsafeItem
 
@@ -81,7 +80,7 @@ def dcp_failure(
         hostile = any(isinstance(e, UnsafeItem) for e in errors)
         mismatch = any(isinstance(e, ShardMismatch) for e in errors)
         message = f"{what} failed on rank(s) {sorted(failures)} ({detail}). "
-        disk_advice = next((_oserror_advice(d, path) for d in map(root_oserror, errors) if d), None)
+        disk_advice = next((oserror_advice(d, path) for d in map(root_oserror, errors) if d), None)
         message += _UNSAFE_ADVICE if hostile else _MISMATCH_ADVICE if mismatch else ""
         message += "" if hostile or mismatch else (disk_advice or advice)
         err = ShardedCheckpointError(path, message, rank=min(failures), failures=failures)
