@@ -318,6 +318,7 @@ def run_ft_job(
         quorum_tick_ms=10,
         heartbeat_timeout_ms=1000,
     )
+    address = lighthouse.address()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     env.update(RUST_LOG="error", OMP_NUM_THREADS="1")
     base = [
@@ -327,7 +328,7 @@ def run_ft_job(
         "--replicas",
         str(replicas),
         "--lighthouse",
-        lighthouse.address(),
+        address,
         "--steps",
         str(steps),
         "--batch-size",
@@ -383,7 +384,7 @@ def run_ft_job(
         while len(finished) < replicas:
             _check(reps, deadline, work, replicas)
             if hold_rejoin_at is not None and die is not None:
-                _open_rejoin_gates(gates, lighthouse.address(), replicas, die[0])
+                _open_rejoin_gates(gates, address, replicas, die[0])
             for r, proc in list(reps.procs.items()):
                 code = proc.poll()
                 if code is None or r in finished:
