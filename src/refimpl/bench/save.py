@@ -3,7 +3,9 @@
 Saves the same model-like state (``--mb`` MiB of float32 tensors) with each method, round
 robin, ``--repeats`` times after one cold round, and reports medians with the spread:
 
-- ``memcpy``: copy the tensors into pre-allocated buffers (the floor of any save);
+- ``memcpy``: copy the tensors into pre-allocated buffers on one thread (the floor of any
+  save; torch's copy on several threads waits for the slowest when another process holds a
+  core, and the floor would move with the machine's load);
 - ``write+fsync``: one ``os.write`` of the serialised byte count, then fsync (the disk floor);
 - ``torch.save`` and ``torch.save+fsync``: what most trainers do, without and with fsync;
 - ``atomic_save`` and ``atomic_save(durable=False)``: `refimpl.atomic`;
@@ -56,8 +58,13 @@ def methods(state: dict[str, torch.Tensor], blob: bytes) -> dict[str, Callable[[
     buffers = {k: torch.empty_like(v) for k, v in state.items()}
 
     def memcpy(path: Path) -> None:
-        for k, v in state.items():
-            buffers[k].copy_(v)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # every other method here runs on one thread too
+        try:
+            for k, v in state.items():
+                buffers[k].copy_(v)
+        finally:
+            torch.set_num_threads(threads)
 
     def write_fsync(path: Path) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
