@@ -29,18 +29,35 @@ unexport MPLBACKEND
 
 .PHONY: venv test test-fast lint book browser-test lab notebooks clean chapter dist
 
+# uv installs the same pins as pip does, about twice as fast from an empty cache (parallel
+# downloads and bytecode compilation: these machines set PYTHONDONTWRITEBYTECODE, so what is not
+# compiled at install is compiled again by every process that imports it). uv reads no pip
+# configuration: pip's find-links and index settings are passed to it, with pip's rule for
+# several indexes (the best match among all). If uv fails, pip installs instead;
+# INSTALLER=pip uses pip alone.
+INSTALLER ?= uv
+UV_VERSION := 0.13.9
+pip_setting = $(shell $(PYTHON) -m pip config get global.$(1) 2>/dev/null)
+UV_SOURCES = $(addprefix --find-links ,$(sort $(PIP_FIND_LINKS) $(call pip_setting,find-links))) \
+	$(addprefix --index-url ,$(or $(PIP_INDEX_URL),$(call pip_setting,index-url))) \
+	$(addprefix --extra-index-url ,$(or $(PIP_EXTRA_INDEX_URL),$(call pip_setting,extra-index-url)))
+# $(call install,ARGS): uv pip install ARGS into the venv, falling back to pip install ARGS
+install = $(if $(filter uv,$(INSTALLER)),$(VENV)/bin/uv pip install -q --python $(PY) \
+	--compile-bytecode --index-strategy unsafe-best-match $(UV_SOURCES) $(1) || { echo "uv failed: installing with pip"; \
+	$(PY) -m pip install -q $(1); },$(PY) -m pip install -q $(1))
+
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements.txt
-	$(PY) -m pip install -q --no-deps -e .
+	$(if $(filter uv,$(INSTALLER)),$(PY) -m pip install -q uv==$(UV_VERSION),$(PY) -m pip install -q --upgrade pip)
+	$(call install,-r requirements.txt)
+	$(call install,--no-deps -e .)
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)
 
 venv: $(STAMP)
 
 $(LAB_STAMP): $(STAMP) requirements-lab.txt
-	$(PY) -m pip install -q -r requirements-lab.txt
+	$(call install,-r requirements-lab.txt)
 	touch $(LAB_STAMP)
 
 # Open the notebooks interactively: JupyterLab bound to localhost only, kernel = this .venv.
