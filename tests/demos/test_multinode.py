@@ -112,3 +112,58 @@ def test_trained_once_keeps_the_last_attempt_of_each_step_and_counts_padding_apa
         for i in ln.split()[2:]
     )
     assert flat[4] == 2 and flat[5] == 2
+
+
+@pytest.mark.timeout(30)
+def test_an_agent_that_exits_before_the_first_round_is_told_apart_from_a_slow_start(
+    tmp_path: Path,
+) -> None:
+    """Before: an agent that died at start left the others waiting for world 3 until the
+    120 s timeout (seen once under a heavy ``make test``: torch's rendezvous closed a joining
+    agent's store connection), and chapter 11's cell failed."""
+    import subprocess
+    import time
+
+    from refimpl.demos import multinode
+
+    run = multinode.TwoNodes(tmp_path, ARGS, nnodes="2:3")
+    gone = multinode.Node("b", subprocess.Popen(["true"]), "token")
+    waiting = multinode.Node("a", subprocess.Popen(["sleep", "30"]), "token")
+    run.nodes = [waiting, gone]
+    gone.proc.wait()
+    started = time.monotonic()
+    try:
+        with pytest.raises(multinode._StartFailed, match="node b exited before the first round"):
+            multinode._first_round(run, {"a": waiting, "b": gone}, started + 20)
+    finally:
+        waiting.proc.kill()
+        waiting.proc.wait()
+    assert time.monotonic() - started < 5  # not the deadline: the exit is seen at once
+
+
+def test_a_failed_start_is_run_again_once_in_an_emptied_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from refimpl.demos import multinode
+
+    calls: list[list[str]] = []
+
+    def once(work: Path, *args: object) -> dict[str, object]:
+        calls.append(sorted(p.name for p in work.iterdir()))
+        (work / "ckpt").mkdir()  # what the failed try left behind
+        if len(calls) == 1:
+            return {"error": "node b exited before the first round formed", "start_failed": True}
+        return {"before": {}, "after": {}}
+
+    monkeypatch.setattr(multinode, "_lose_store_host_once", once)
+    out = multinode.lose_store_host(tmp_path / "w", ARGS, share_store=True, kill_after_step=1)
+    assert calls == [[], []] and out == {"before": {}, "after": {}, "start_retries": 1}
+
+    calls.clear()
+    monkeypatch.setattr(
+        multinode,
+        "_lose_store_host_once",
+        lambda work, *a: {"error": "x", "start_failed": True, "n": calls.append([])},
+    )
+    out = multinode.lose_store_host(tmp_path / "v", ARGS, share_store=True, kill_after_step=1)
+    assert len(calls) == 2 and out["start_retries"] == 1 and out["error"] == "x"  # once only

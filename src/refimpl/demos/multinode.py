@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -461,9 +462,30 @@ def lose_store_host(
     "log"}``, and
     ``"error"`` (with the log so far) when an expected line or worker did not come within
     ``timeout_s``.
+
+    An agent that exits before the first round forms (torch's rendezvous, under a heavy
+    load, once closed the store's connection to a joining agent: ``DistNetworkError`` in
+    ``RendezvousStoreInfo.build``) has nothing to do with the loss shown here: the job is then
+    started again once, in an emptied ``workdir``, and ``"start_retries"`` counts it.
     """
     work = Path(workdir)
-    work.mkdir(parents=True, exist_ok=True)
+    for retries in range(2):
+        if retries:
+            shutil.rmtree(work)
+        work.mkdir(parents=True, exist_ok=True)
+        out = _lose_store_host_once(work, train_args, share_store, kill_after_step, timeout_s)
+        if "start_failed" not in out or retries == 1:
+            return {**out, "start_retries": retries}
+    raise AssertionError("unreachable")
+
+
+def _lose_store_host_once(
+    work: Path,
+    train_args: Sequence[str],
+    share_store: bool,
+    kill_after_step: int,
+    timeout_s: float,
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with TwoNodes(work, train_args, nnodes="2:3", share_store=share_store) as run:
         nodes = {
@@ -472,7 +494,7 @@ def lose_store_host(
         }
         deadline = time.monotonic() + timeout_s
         try:
-            three = run.wait_for(r"^\[rank0\] start: world 3", timeout_s=timeout_s)
+            three = _first_round(run, nodes, deadline)
             run.wait_for(
                 rf"^\[rank0\] step {kill_after_step} loss", since=three, timeout_s=timeout_s
             )
@@ -486,6 +508,8 @@ def lose_store_host(
             out["listening"] = {n: _listening(address) for n, address in out["after"].items()}
             if not share_store:
                 out["exit"] = run.wait(max(1.0, deadline - time.monotonic()))
+        except _StartFailed as e:
+            out["error"], out["start_failed"] = str(e), True
         except TimeoutError as e:  # said in the result, with the log so far
             out["error"] = str(e)
         out.setdefault("exit", [None, None, None])  # stopped here (close kills what is left)
@@ -493,3 +517,25 @@ def lose_store_host(
     texts = [line for _, _, line in run.lines()]
     keep = (*AGENT_KEEP, *TRAINER_KEEP)
     return {**out, "attempts": rank0_attempts(texts), "log": _excerpt(run, keep), "lines": texts}
+
+
+class _StartFailed(TimeoutError):
+    """An agent exited before the first round of three formed."""
+
+
+def _first_round(run: TwoNodes, nodes: dict[str, Node], deadline: float) -> float:
+    """When rank 0 said it started at world 3; `_StartFailed` as soon as an agent has exited
+    before that, `TimeoutError` at ``deadline``."""
+    pattern = r"^\[rank0\] start: world 3"
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return run.wait_for(pattern, timeout_s=max(0.1, min(2.0, left)))
+        except TimeoutError:
+            gone = [name for name, node in nodes.items() if node.proc.poll() is not None]
+            if gone:
+                raise _StartFailed(
+                    f"node {', '.join(gone)} exited before the first round formed"
+                ) from None
+            if left <= 2.0:
+                raise
