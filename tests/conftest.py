@@ -50,7 +50,7 @@ _SECONDS = {
     "tests/test_chaos.py": 71,
     "tests/test_preemption.py": 70,
     "notebooks/04_barriers_rank0_saving.ipynb": 48,
-    "tests/test_train_sharded.py": 45,
+    "tests/test_train_sharded.py": 30,
     "tests/test_bench_paced.py": 39,  # measured at load average 12 on 2 cores
     "tests/test_hostile_entries.py": 35,
     "tests/test_sharded_async_exit.py": 35,

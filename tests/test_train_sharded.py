@@ -6,7 +6,8 @@ resumed at 3 finishes, and every sample of the interrupted epoch is trained exac
 (the sample indices each rank trained are logged by ``--sample-log`` and counted here).
 With ``--async-save`` and a warmup + cosine schedule (`refimpl.train._async`,
 `refimpl.train._schedule`): every save commits, SIGTERM waits for the stop step's commit, and
-a resume after SIGTERM or a SIGKILL is bit-identical.
+a resume after SIGTERM is bit-identical (the kill test of the same flags, rank 1 and rank 0
+in a save SIGKILLed under torchrun, is chapter 10's, asserted under nbval).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from pathlib import Path
 import pytest
 from helpers.sharded_craft import bytes_item_in_place_of, drop_item
 
-from refimpl.demos.chaos_runs import chaos_train
 from refimpl.demos.train import TrainRun, run_train, same_weights
 from refimpl.launch import WorkerError, spawn
 from refimpl.sharded import verify_sharded
@@ -175,28 +175,6 @@ def test_sigterm_with_async_save_commits_the_stop_step_and_the_rerun_is_bit_iden
     assert not (cut / "w.pt").exists()
     assert spawn(main, 2, _async_args(cut, "--async-save"), timeout_s=90) == [0, 0]
     assert same_weights(full / "w.pt", cut / "w.pt")
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_kill_test_of_sharded_async_save_under_torchrun_is_bit_identical(tmp_path: Path) -> None:
-    """Chapter 10's kill test on ``refimpl.train --sharded --async-save`` with warmup + cosine:
-    a worker SIGKILLed mid-run, and rank 0 SIGKILLed as it starts the step-8 save while
-    step 4's background write may still run; torchrun restarts, the run ends bit-identical
-    to an uninterrupted one."""
-    extra = ["--async-save", "--lr-schedule", "cosine", "--warmup-steps", "3"]
-    rows = chaos_train(
-        sharded=True,
-        scenarios=["kill-rank1", "kill-rank0-save"],
-        work=tmp_path,
-        jobs=2,
-        extra_args=extra,
-        timeout_s=180,
-    )
-    assert [r.scenario for r in rows] == ["kill-rank1", "kill-rank0-save"]
-    for row in rows:
-        assert row.restarts >= 1 and row.resume is not None, row
-        assert row.equal, row
 
 
 @pytest.mark.timeout(170)
