@@ -133,8 +133,11 @@ def test_an_agent_that_exits_before_the_first_round_is_told_apart_from_a_slow_st
     gone.proc.wait()
     started = time.monotonic()
     try:
-        with pytest.raises(multinode._StartFailed, match="node b exited before the first round"):
-            multinode._first_round(run, {"a": waiting, "b": gone}, started + 20)
+        with pytest.raises(multinode.NodeExited, match="node b exited before"):
+            run.wait_for("start: world 3", timeout_s=20, while_all_run=True)
+        with pytest.raises(TimeoutError) as waited:  # without it: one agent still runs
+            run.wait_for("start: world 3", timeout_s=1)
+        assert not isinstance(waited.value, multinode.NodeExited)
     finally:
         waiting.proc.kill()
         waiting.proc.wait()

@@ -33,8 +33,9 @@ from typing import Any
 
 from refimpl._processes import MARKER, descendants, env_of, kill_run, marked, signal_all, workers
 
-__all__ = ["RDZV_CONF", "Node", "TwoNodes", "agent_command", "elastic_loss", "fixed_restart"]
-__all__ += ["ephemeral_range", "free_port", "lose_store_host", "rank0_attempts", "trained_once"]
+__all__ = ["RDZV_CONF", "Node", "NodeExited", "TwoNodes", "agent_command", "elastic_loss"]
+__all__ += ["ephemeral_range", "fixed_restart", "free_port", "lose_store_host", "rank0_attempts"]
+__all__ += ["trained_once"]
 
 RDZV_CONF = {
     "join_timeout": 60,  # default 600: a node that waits longer than this for a round fails
@@ -131,6 +132,10 @@ class Node:
     reader: threading.Thread | None = None
 
 
+class NodeExited(TimeoutError):
+    """An agent exited before the line `TwoNodes.wait_for` was told to wait for."""
+
+
 class TwoNodes:
     """Start agents side by side, watch their lines, kill one as a scheduler does, and on
     exit kill whatever is left (every process carries a marker, as in `refimpl.chaos`)."""
@@ -207,17 +212,28 @@ class TwoNodes:
             out = [(t - self.t0, n.name, line) for n in self.nodes for t, line in n.lines]
         return sorted(out, key=lambda x: x[0])
 
-    def wait_for(self, pattern: str, *, since: float = 0.0, timeout_s: float = 60.0) -> float:
+    def wait_for(
+        self,
+        pattern: str,
+        *,
+        since: float = 0.0,
+        timeout_s: float = 60.0,
+        while_all_run: bool = False,
+    ) -> float:
         """Wait for a line matching ``pattern`` that arrived after ``since`` (seconds from
-        the start); return its time. `TimeoutError` when none came."""
+        the start); return its time. `TimeoutError` when none came; with ``while_all_run``,
+        `NodeExited` as soon as any agent has exited without it."""
         regex, deadline = re.compile(pattern), time.monotonic() + timeout_s
         with self._new_line:
             while True:
                 for t, _, line in self.lines():
                     if t >= since and regex.search(line):
                         return t
+                gone = [n.name for n in self.nodes if n.proc.poll() is not None]
+                if while_all_run and gone:
+                    raise NodeExited(f"node {', '.join(gone)} exited before {pattern!r}")
                 left = deadline - time.monotonic()
-                if left <= 0 or all(n.proc.poll() is not None for n in self.nodes):
+                if left <= 0 or len(gone) == len(self.nodes):
                     taken = any("EADDRINUSE" in line for _, _, line in self.lines())
                     raise TimeoutError(
                         f"no line matching {pattern!r} within {timeout_s} s"
@@ -469,14 +485,15 @@ def lose_store_host(
     started again once, in an emptied ``workdir``, and ``"start_retries"`` counts it.
     """
     work = Path(workdir)
-    for retries in range(2):
-        if retries:
-            shutil.rmtree(work)
-        work.mkdir(parents=True, exist_ok=True)
-        out = _lose_store_host_once(work, train_args, share_store, kill_after_step, timeout_s)
-        if "start_failed" not in out or retries == 1:
-            return {**out, "start_retries": retries}
-    raise AssertionError("unreachable")
+    work.mkdir(parents=True, exist_ok=True)
+    out = _lose_store_host_once(work, train_args, share_store, kill_after_step, timeout_s)
+    if not out.pop("start_failed", False):
+        return {**out, "start_retries": 0}
+    shutil.rmtree(work)
+    work.mkdir(parents=True)
+    out = _lose_store_host_once(work, train_args, share_store, kill_after_step, timeout_s)
+    out.pop("start_failed", None)  # a second failed start is an error like any other
+    return {**out, "start_retries": 1}
 
 
 def _lose_store_host_once(
@@ -494,7 +511,9 @@ def _lose_store_host_once(
         }
         deadline = time.monotonic() + timeout_s
         try:
-            three = _first_round(run, nodes, deadline)
+            three = run.wait_for(
+                r"^\[rank0\] start: world 3", timeout_s=timeout_s, while_all_run=True
+            )
             run.wait_for(
                 rf"^\[rank0\] step {kill_after_step} loss", since=three, timeout_s=timeout_s
             )
@@ -508,7 +527,7 @@ def _lose_store_host_once(
             out["listening"] = {n: _listening(address) for n, address in out["after"].items()}
             if not share_store:
                 out["exit"] = run.wait(max(1.0, deadline - time.monotonic()))
-        except _StartFailed as e:
+        except NodeExited as e:  # only the first round waits with while_all_run
             out["error"], out["start_failed"] = str(e), True
         except TimeoutError as e:  # said in the result, with the log so far
             out["error"] = str(e)
@@ -517,25 +536,3 @@ def _lose_store_host_once(
     texts = [line for _, _, line in run.lines()]
     keep = (*AGENT_KEEP, *TRAINER_KEEP)
     return {**out, "attempts": rank0_attempts(texts), "log": _excerpt(run, keep), "lines": texts}
-
-
-class _StartFailed(TimeoutError):
-    """An agent exited before the first round of three formed."""
-
-
-def _first_round(run: TwoNodes, nodes: dict[str, Node], deadline: float) -> float:
-    """When rank 0 said it started at world 3; `_StartFailed` as soon as an agent has exited
-    before that, `TimeoutError` at ``deadline``."""
-    pattern = r"^\[rank0\] start: world 3"
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            return run.wait_for(pattern, timeout_s=max(0.1, min(2.0, left)))
-        except TimeoutError:
-            gone = [name for name, node in nodes.items() if node.proc.poll() is not None]
-            if gone:
-                raise _StartFailed(
-                    f"node {', '.join(gone)} exited before the first round formed"
-                ) from None
-            if left <= 2.0:
-                raise
