@@ -38,13 +38,16 @@ unexport MPLBACKEND
 INSTALLER ?= uv
 UV_VERSION := 0.13.9
 pip_setting = $(shell $(PYTHON) -m pip config get global.$(1) 2>/dev/null)
-UV_SOURCES = $(addprefix --find-links ,$(sort $(PIP_FIND_LINKS) $(call pip_setting,find-links))) \
+# Read pip's settings once, on first use (not when make starts, nor again for each install).
+UV_SOURCES = $(eval UV_SOURCES := \
+	$(addprefix --find-links ,$(sort $(PIP_FIND_LINKS) $(call pip_setting,find-links))) \
 	$(addprefix --index-url ,$(or $(PIP_INDEX_URL),$(call pip_setting,index-url))) \
-	$(addprefix --extra-index-url ,$(or $(PIP_EXTRA_INDEX_URL),$(call pip_setting,extra-index-url)))
+	$(addprefix --extra-index-url ,$(or $(PIP_EXTRA_INDEX_URL),$(call pip_setting,extra-index-url))))$(UV_SOURCES)
 # $(call install,ARGS): uv pip install ARGS into the venv, falling back to pip install ARGS
 install = $(if $(filter uv,$(INSTALLER)),$(VENV)/bin/uv pip install -q --python $(PY) \
-	--compile-bytecode --index-strategy unsafe-best-match $(UV_SOURCES) $(1) || { echo "uv failed: installing with pip"; \
-	$(PY) -m pip install -q $(1); },$(PY) -m pip install -q $(1))
+	--compile-bytecode --index-strategy unsafe-best-match $(UV_SOURCES) $(1) \
+	|| { echo "uv failed: installing with pip"; $(PY) -m pip install -q $(1); }, \
+	$(PY) -m pip install -q $(1))
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
