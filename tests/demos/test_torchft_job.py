@@ -45,3 +45,46 @@ def test_a_job_out_of_time_is_killed_whole(tmp_path: Path) -> None:
     with pytest.raises(TimeoutError, match="did not finish in time"):
         run_ft_job(tmp_path, replicas=2, steps=10_000, step_sleep=0.5, timeout_s=2)
     assert replicas_running(tmp_path) == []
+
+
+class _Started:
+    """What `run_ft_job` reads of one start: the quorum of each run of steps."""
+
+    def __init__(self, first_quorum: list[int]) -> None:
+        self.first_quorum, self.start_retries = first_quorum, 0
+
+    def quorum_runs(self) -> list[tuple[int, int, list[int]]]:
+        return [(0, 3, self.first_quorum), (4, 11, [0, 1, 2])]
+
+
+@pytest.mark.parametrize(
+    ("firsts", "kwargs", "starts", "retries"),
+    [
+        ([[1, 2], [0, 1, 2]], {}, 2, 1),  # a group missed the first quorum: once more
+        ([[1, 2], [1, 2]], {}, 2, 1),  # and only once
+        ([[0, 1, 2]], {}, 1, 0),
+        ([[1, 2]], {"kill_every": 5.0}, 1, 0),  # the benchmark's kills: noise, not a start
+        ([[1, 2]], {"ckpt_dir": "ckpt"}, 1, 0),  # a rerun would resume from its steps
+    ],
+)
+def test_a_group_that_missed_the_first_quorum_starts_the_job_again_once(
+    firsts: list[list[int]],
+    kwargs: dict[str, object],
+    starts: int,
+    retries: int,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before: a group that asked for the first quorum over 3 s after the others (a heavy
+    make test) trained from step 1, and chapter 13's sample accounting failed."""
+    from refimpl.demos import torchft_job
+
+    made: list[_Started] = []
+
+    def once(out: Path, **kw: object) -> _Started:
+        made.append(_Started(firsts[len(made)]))
+        return made[-1]
+
+    monkeypatch.setattr(torchft_job, "_run_ft_job_once", once)
+    job = run_ft_job(tmp_path, replicas=3, **kwargs)  # type: ignore[arg-type]
+    assert len(made) == starts and job is made[-1] and job.start_retries == retries
