@@ -180,3 +180,28 @@ def test_no_import_cycle() -> None:
 def test_no_private_name_crosses_concepts() -> None:
     found = private_imports()
     assert not found, "private names imported from another concept:\n" + "\n".join(found)
+
+
+def private_module_imports() -> list[str]:
+    """``file:line: from refimpl.pkg._mod import name`` for each library module that reaches
+    into another package's private module. `refimpl.demos` and `refimpl.bench` may: they exist
+    to show and to measure those internals (a crafted manifest, a paced writer alone)."""
+    modules = _modules()
+    found = []
+    for name, path in modules.items():
+        if _concept(name) in {"refimpl.demos", "refimpl.bench"}:
+            continue
+        for target, taken, line in _imports(name, path, modules):
+            parts = target.split(".")
+            inside = len(parts) > 2 and any(p.startswith("_") for p in parts[2:])
+            if inside and _concept(target) != _concept(name):
+                where = path.relative_to(SRC.parent)
+                found.append(f"{where}:{line}: from {target} import {taken}")
+    return found
+
+
+def test_no_library_module_reaches_into_another_packages_private_module() -> None:
+    """What two concepts share lives in a flat private module (`refimpl._step_dirs`: the step
+    directories both checkpoint formats use), never in one package's private file."""
+    found = private_module_imports()
+    assert not found, "private modules of another package imported:\n" + "\n".join(found)

@@ -43,8 +43,7 @@ from refimpl.checkpoint import (
     load_checkpoint,
     verify_checkpoint,
 )
-from refimpl.sharded import export_hf, inspect_sharded
-from refimpl.sharded._commit import verify_step
+from refimpl.sharded import export_hf, inspect_sharded, verify_sharded
 
 SHARDED_FORMAT = "refimpl.sharded/1"  # refimpl.sharded._commit.FORMAT, without importing DCP
 
@@ -78,7 +77,7 @@ def _is_sharded(step_dir: Path) -> bool:
 
 def _verifier(step_dir: Path) -> Callable[[Path], dict[str, Any]]:
     if _is_sharded(step_dir):
-        return verify_step
+        return verify_sharded
     return verify_checkpoint
 
 

@@ -30,9 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from refimpl._step_dirs import log_skip
 from refimpl.atomic import COMMIT_MARKER
 from refimpl.checkpoint import CheckpointError, load_latest
-from refimpl.checkpoint._files import log_skip
 from refimpl.data import ResumableSampler
 from refimpl.state import capture_grads, capture_rng, capture_state, restore_state
 

@@ -28,17 +28,14 @@ around the load and every save); a second writer is then refused at its start.
 
 from __future__ import annotations
 
+from refimpl._step_dirs import MANIFEST, CheckpointError, list_checkpoints, step_dir_name
 from refimpl.checkpoint._async import AsyncCheckpointer
 from refimpl.checkpoint._files import (
-    MANIFEST,
     PACK,
-    CheckpointError,
-    list_checkpoints,
     load_checkpoint,
     load_latest,
     safe_load,
     save_checkpoint,
-    step_dir_name,
     verify_checkpoint,
 )
 
@@ -57,5 +54,5 @@ __all__ = [
 ]
 
 # documented, shown in tracebacks and pickled by reference as refimpl.checkpoint's, as before
-# the package (a CheckpointError raised in a rank reaches the parent through pickle)
-CheckpointError.__module__ = AsyncCheckpointer.__module__ = __name__
+# the package (`refimpl._step_dirs` does the same for CheckpointError, which it defines)
+AsyncCheckpointer.__module__ = __name__

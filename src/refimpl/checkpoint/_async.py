@@ -41,7 +41,8 @@ import torch
 from refimpl._manifest import as_step, refusal
 from refimpl._pacer import Pacer, check_cpu_share, lower_thread_priority
 from refimpl._pack import paced
-from refimpl.checkpoint._files import CheckpointError, save_checkpoint, step_dir_name
+from refimpl._step_dirs import CheckpointError, step_dir_name
+from refimpl.checkpoint._files import save_checkpoint
 
 __all__ = ["AsyncCheckpointer"]
 

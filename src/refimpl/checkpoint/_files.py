@@ -28,8 +28,18 @@ from refimpl._manifest import (
 )
 from refimpl._pack import PACK as _PACK
 from refimpl._pack import KeyRange, KeyWindow, write_pack
-from refimpl._publish import Stage, publish_dir, restore_asides, temp_dir, temp_path
+from refimpl._publish import Stage, publish_dir, temp_dir
 from refimpl._regular_file import read_regular
+from refimpl._step_dirs import (
+    DIGEST,
+    MANIFEST,
+    STEP_RE,
+    CheckpointError,
+    list_checkpoints,
+    log_skip,
+    prune,
+    step_dir_name,
+)
 from refimpl._write_errors import oserror_advice, root_oserror
 from refimpl.atomic import (
     COMMIT_MARKER,
@@ -37,57 +47,13 @@ from refimpl.atomic import (
     atomic_write,
 )
 
-MANIFEST = "MANIFEST.json"
-"""Name of the manifest file inside every step directory."""
 PACK = _PACK
 """Name of the one file that holds every top-level key of a step (``torch.save`` archives back
 to back; the manifest's ``"keys"`` says where each is). Steps older than format 3 have one
 ``KEY.pt`` per key instead."""
-STEP_RE = re.compile(r"step_([0-9]{8,})", re.ASCII)  # ASCII digits only: "step_٠٠..." is not ours
 _ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _CHUNK = 1 << 20
 logger = logging.getLogger(__name__)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be saved, verified or loaded. ``path`` names the file or step."""
-
-    def __init__(self, path: str | os.PathLike[str], message: str) -> None:
-        super().__init__(f"{path}: {message}")
-        self.path = Path(path)
-        self.reason = message
-
-
-def step_dir_name(step: int) -> str:
-    """The directory name of ``step``: zero-padded so names sort like numbers."""
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    return f"step_{step:08d}"
-
-
-def list_checkpoints(ckpt_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-    """Every ``step_N`` directory in ``ckpt_dir`` (committed or not), oldest first.
-
-    A step that a save killed mid-publish left under its aside name is renamed back first
-    (`refimpl._publish.restore_asides`), so every load, prune and cleanup sees it."""
-    root = Path(ckpt_dir)
-    if not root.is_dir():
-        return []
-    restore_asides(root, steps=STEP_RE)
-    found = []
-    for entry in root.iterdir():
-        match = STEP_RE.fullmatch(entry.name)
-        if match and entry.is_dir():
-            found.append((int(match.group(1)), entry))
-    return sorted(found)
-
-
-DIGEST = "xxh3_128"
-"""The digest written for every file. Its job is to catch accidental damage (a torn write, a
-flipped bit, a truncated copy): a 128-bit hash misses a random corruption with probability
-2**-128, and xxh3 runs at memory speed, so verifying costs little next to the write. It is not
-a defence against someone who can rewrite the directory (they would rewrite the manifest
-too); weights-only loading (`safe_load`) is that defence."""
 
 
 def _digest_file(path: Path, algorithm: str) -> str:
@@ -240,10 +206,6 @@ def _load_key(step_dir: Path, key: str, where: KeyRange, map_location: Any) -> A
         raise CheckpointError(path, f"cannot be read ({exc})") from exc
 
 
-def log_skip(step_dir: Path, reason: str) -> None:
-    logger.warning("load_latest: skipped %s (%s); trying an older step", step_dir.name, reason)
-
-
 def _explain_empty(root: Path) -> None:
     """Say what ``load_latest`` looked at when it found no step at all."""
     if not root.exists():
@@ -326,21 +288,6 @@ def load_latest(
 
 def _range_entry(where: KeyRange) -> dict[str, Any]:
     return {"file": where.file, "offset": where.offset, "bytes": where.length}
-
-
-def prune(ckpt_dir: Path, keep_last: int, saved_step: int) -> None:
-    """Keep ``keep_last`` committed steps up to ``saved_step``; never touch anything else.
-
-    The step just saved is verified by construction and counts as one of them. Newer steps
-    (written by an earlier run) and step directories without a commit marker (not written by
-    this code: ours only ever appear complete) are left for the user to judge.
-    """
-    older = [(s, d) for s, d in list_checkpoints(ckpt_dir) if s < saved_step]
-    committed = [d for _, d in older if (d / COMMIT_MARKER).is_file()]
-    for d in committed[: max(0, len(committed) - (keep_last - 1))]:
-        doomed = temp_path(d)  # rename first, so a kill mid-delete never leaves half a step
-        os.rename(d, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _validate(state: Mapping[str, Any], final: Path) -> None:

@@ -20,13 +20,13 @@ import torch
 from refimpl import __version__
 from refimpl._manifest import MAX_MANIFEST_BYTES
 from refimpl._regular_file import is_regular, open_regular, read_regular
+from refimpl._step_dirs import DIGEST, MANIFEST, STEP_RE, CheckpointError
 from refimpl._system import disk
 from refimpl.atomic import (
     COMMIT_MARKER,
     DIGESTS,
     atomic_write,
 )
-from refimpl.checkpoint._files import DIGEST, MANIFEST, STEP_RE, CheckpointError
 from refimpl.sharded._dcp_metadata import SHARD_NAME_RE, UnsafeMetadata, check_metadata
 from refimpl.sharded._seen import Seen, after_hashing, before_hashing
 

@@ -48,8 +48,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from refimpl._regular_file import read_regular
+from refimpl._step_dirs import DIGEST
 from refimpl.atomic import DIGESTS
-from refimpl.checkpoint._files import DIGEST
 
 _ALLOWED_MODULES = (
     "torch.distributed.checkpoint.metadata",

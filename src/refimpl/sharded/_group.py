@@ -29,7 +29,7 @@ from typing import Any
 import torch.distributed as dist
 
 from refimpl._publish import publish_dir, temp_dir
-from refimpl.checkpoint._files import prune, step_dir_name
+from refimpl._step_dirs import prune, step_dir_name
 from refimpl.sharded._commit import METADATA, digest_files, own_shards, write_manifest
 from refimpl.sharded._errors import ShardedCheckpointError
 

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from refimpl._regular_file import is_regular
+from refimpl._step_dirs import MANIFEST, STEP_RE, CheckpointError, list_checkpoints
 from refimpl.atomic import COMMIT_MARKER
-from refimpl.checkpoint._files import MANIFEST, STEP_RE, CheckpointError, list_checkpoints
 from refimpl.sharded._commit import Expected, verify_step
 from refimpl.sharded._seen import Seen
 

@@ -34,8 +34,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from refimpl._regular_file import open_regular
+from refimpl._step_dirs import DIGEST
 from refimpl.atomic import DIGESTS
-from refimpl.checkpoint._files import DIGEST
 from refimpl.sharded._ranges import read_ranges
 from refimpl.sharded._seen import Seen, after_hashing, before_hashing, unchanged
 
