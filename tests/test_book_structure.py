@@ -5,9 +5,13 @@ each other, the API page and the glossary."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import inspect
 import pkgutil
 import re
 from pathlib import Path
+from typing import Any
 
 import nbformat
 import pybtex.database
@@ -78,6 +82,42 @@ def test_every_public_refimpl_module_is_in_the_api_reference() -> None:
         if m.name[0] != "_"
     }
     assert public <= documented, f"missing from book/api/: {sorted(public - documented)}"
+
+
+def _reexported_data() -> Any:
+    """book/_ext/reexported_data.py, the extension that documents re-exported constants."""
+    path = ROOT / "book" / "_ext" / "reexported_data.py"
+    spec = importlib.util.spec_from_file_location("reexported_data", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_public_constant_is_documented_on_its_api_page() -> None:
+    """``automodule`` shows a constant only if the module assigns it with a docstring; one that
+    a package re-exports from a submodule needs an ``autodata`` line on the page (and a
+    docstring where it is assigned, which book/_ext/reexported_data.py then shows)."""
+    from sphinx.pycode import ModuleAnalyzer
+
+    extension = _reexported_data()
+    undocumented = []
+    for page in _api_pages():
+        text = page.read_text()
+        for name in re.findall(r"automodule:: (refimpl[\w.]*)", text):
+            module = importlib.import_module(name)
+            own = ModuleAnalyzer.for_module(name).find_attr_docs()
+            for attr in getattr(module, "__all__", ()):
+                value = getattr(module, attr)
+                if inspect.isclass(value) or callable(value) or inspect.ismodule(value):
+                    continue
+                if ("", attr) in own:
+                    continue
+                if f"autodata:: {name}.{attr}\n" not in text:
+                    undocumented.append(f"{page.name}: no autodata:: {name}.{attr}")
+                elif not extension.docstring_of(name, attr):
+                    undocumented.append(f"{name}.{attr}: no docstring where it is assigned")
+    assert not undocumented, "\n".join(undocumented)
 
 
 def test_every_citation_has_a_bibliography_entry() -> None:

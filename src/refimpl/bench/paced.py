@@ -36,8 +36,12 @@ from refimpl.sharded import AsyncSaver
 
 __all__ = ["KINDS", "PACED_SHARE", "main", "measure"]
 
-PACED_SHARE = 0.05  # the paced kind: AsyncSaver(writer_cpu_share=0.05), as in chapter 9
-KINDS = {"thread": None, "paced": PACED_SHARE}  # kind: writer_cpu_share
+PACED_SHARE = 0.05
+"""The share of one core the paced kind writes with (``AsyncSaver(writer_cpu_share=0.05)``, as
+in chapter 9)."""
+KINDS = {"thread": None, "paced": PACED_SHARE}
+"""The kinds of background save measured, each with its ``writer_cpu_share`` (``None`` for
+the unpaced one)."""
 
 
 class _Job(torch.nn.Module):

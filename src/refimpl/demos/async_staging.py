@@ -254,6 +254,8 @@ def _native_stderr_captured() -> Iterator[list[str]]:
 
 
 NO_CPU_BACKEND_NOISE = "No backend of type 0 found for Process Group"
+"""The line torch's C++ side prints when a group without a CPU backend is destroyed
+(`without_a_cpu_backend` drops it)."""
 
 
 def without_a_cpu_backend() -> str:

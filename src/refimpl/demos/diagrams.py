@@ -545,6 +545,8 @@ DIAGRAMS: tuple[Diagram, ...] = (
     Diagram("ch12_porting", 12, draw_porting),
     Diagram("ch13_live_recovery", 13, draw_live_recovery),
 )
+"""Every diagram of the book, in chapter order (``python -m refimpl.demos.diagrams`` draws
+them into ``book/figures/diagrams``)."""
 
 DEFAULT_OUT = Path("book") / "figures" / "diagrams"
 

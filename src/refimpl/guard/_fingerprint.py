@@ -19,7 +19,11 @@ FINGERPRINT_LEN = 32
 """int64 slots per fingerprint: 16 of header and shape, 16 holding up to 112 bytes of name
 (a longer name is told apart by its hash, and shown cut to 112 bytes)."""
 MAX_DIMS = 8
+"""The most dimensions a guarded tensor may have: its shape fills 8 slots (a tensor of more
+dims is refused with `ValueError`)."""
 NAME_BYTES = 112
+"""Bytes of a call's name (UTF-8) the fingerprint holds, 7 per slot in 16 slots; names that
+differ only after them are still told apart by the name's hash."""
 _MAGIC = 0x7E57_6A4D  # a fingerprint whose slot 0 is not this was not written by a guard
 _OPS = ("all_reduce", "broadcast", "all_gather", "barrier", "reduce_scatter")
 # Every dtype torch defines, by name, sorted: the same index on every rank of one torch build
