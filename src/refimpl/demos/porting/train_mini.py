@@ -42,7 +42,6 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 TRAPS = ("reseed", "loader", "fp16", "scaler", "accum")
-"""The porting traps ``--trap`` can switch on, one at a time."""
 
 
 def setup_seed(seed: int) -> None:

@@ -20,8 +20,7 @@ from pathlib import Path
 import torch
 
 from refimpl.chaos import ChaosRow, run_chaos
-from refimpl.demos.porting import relative_paths
-from refimpl.demos.porting.train_mini import TRAPS
+from refimpl.demos.porting import relative_paths, train_mini
 
 __all__ = [
     "MINI",
@@ -31,6 +30,9 @@ __all__ = [
     "fp16_round_trip",
 ]
 __all__ += ["mini_command"]
+
+TRAPS = train_mini.TRAPS
+"""The traps ``train_mini.py --trap`` can switch on, one at a time."""
 
 MINI = Path(__file__).resolve().parent / "train_mini.py"
 """The MiniMind-style trainer chapter 12 kill-tests (``train_mini.py`` beside this module).
