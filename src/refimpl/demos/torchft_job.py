@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import ctypes
 import functools
+import inspect
 import os
 import re
 import shutil
@@ -34,10 +35,10 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec
 
 __all__ = [
     "FTJob",
@@ -53,6 +54,7 @@ __all__ = [
 _STEP = re.compile(r"^\[replica (\d+)\] step (\d+) participants (\d+) commit ([01]) t ([\d.]+)$")
 _HEAL = re.compile(r"^\[replica (\d+)\] healed: step (\d+) -> (\d+)$")
 _PR_SET_PDEATHSIG = 1
+_P = ParamSpec("_P")
 
 
 @dataclass(frozen=True)
@@ -263,6 +265,41 @@ class _Replicas:
                 proc.wait(timeout=10)
 
 
+def _retried_if_a_group_missed_the_first_quorum(
+    start: Callable[_P, FTJob],
+) -> Callable[_P, FTJob]:
+    """`start` (`run_ft_job`'s body), run once more when a group missed the first quorum.
+
+    The Lighthouse forms the first quorum ``join_timeout_ms`` (3 s) after the first group
+    asks; a group that asks later (seen once under a heavy ``make test``) trains from step 1,
+    healed from a peer, and the chapter's sample accounting no longer holds. Without
+    ``kill_every`` or ``ckpt_dir`` (a rerun would resume from its steps) the job is then
+    started again once, and the second `FTJob` says so (``start_retries``).
+    """
+    signature = inspect.signature(start)
+
+    @functools.wraps(start)
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> FTJob:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        given = bound.arguments
+        job = start(*args, **kwargs)
+        first = job.quorum_runs()[:1]
+        die = given["die"]
+        may_retry = (
+            given["kill_every"] is None
+            and given["ckpt_dir"] is None
+            and (die is None or die[1] > 0)
+        )
+        if may_retry and first and first[0][0] == 0 and len(first[0][2]) < given["replicas"]:
+            job = start(*args, **kwargs)
+            job.start_retries = 1
+        return job
+
+    return run
+
+
+@_retried_if_a_group_missed_the_first_quorum
 def run_ft_job(
     out: str | os.PathLike[str],
     *,
@@ -299,60 +336,10 @@ def run_ft_job(
     error (with its stderr's tail) or its restarts run out. ``stock_ddp=True`` runs torchft's
     own DDP wrapper, whose failed all-reduce kills the survivors (see `torchft_replica`).
 
-    Every group is in the first quorum: the Lighthouse forms it ``join_timeout_ms`` (3 s)
-    after the first group asks, and a group that asks later (seen once under a heavy ``make
-    test``) trains from step 1, healed from a peer. Without ``kill_every`` or ``ckpt_dir`` (a
-    rerun would resume from its steps) the job is then started again once
-    (``start_retries``).
+    Every group is in the first quorum: a job one group joined late (over 3 s after the first
+    asked, on a loaded machine) is started again once, which the returned job counts in
+    ``start_retries``; not with ``kill_every`` or ``ckpt_dir``, whose rerun would differ.
     """
-    once = functools.partial(
-        _run_ft_job_once,
-        out,
-        replicas=replicas,
-        steps=steps,
-        batch_size=batch_size,
-        samples=samples,
-        seed=seed,
-        step_sleep=step_sleep,
-        die=die,
-        hold_rejoin_at=hold_rejoin_at,
-        kill_every=kill_every,
-        ckpt_dir=ckpt_dir,
-        save_every=save_every,
-        max_restarts=max_restarts,
-        timeout_s=timeout_s,
-        echo=echo,
-        stock_ddp=stock_ddp,
-    )
-    job = once()
-    first = job.quorum_runs()[:1]
-    may_retry = kill_every is None and ckpt_dir is None and (die is None or die[1] > 0)
-    if may_retry and first and first[0][0] == 0 and len(first[0][2]) < replicas:
-        job = once()
-        job.start_retries = 1
-    return job
-
-
-def _run_ft_job_once(
-    out: str | os.PathLike[str],
-    *,
-    replicas: int = 3,
-    steps: int = 30,
-    batch_size: int = 8,
-    samples: int | None = None,
-    seed: int = 0,
-    step_sleep: float = 0.0,
-    die: tuple[int, int] | None = None,
-    hold_rejoin_at: int | None = None,
-    kill_every: float | None = None,
-    ckpt_dir: str | os.PathLike[str] | None = None,
-    save_every: int = 10,
-    max_restarts: int = 20,
-    timeout_s: float = 120.0,
-    echo: bool = False,
-    stock_ddp: bool = False,
-) -> FTJob:
-    """One start of the job `run_ft_job` describes."""
     # The Lighthouse runs in this process and logs every quorum at INFO unless RUST_LOG says
     # otherwise; it reads the variable when the first server starts.
     os.environ.setdefault("RUST_LOG", "error")
