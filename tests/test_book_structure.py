@@ -11,12 +11,12 @@ import inspect
 import pkgutil
 import re
 from pathlib import Path
-from typing import Any
 
 import nbformat
 import pybtex.database
 import pytest
 import yaml
+from helpers.scripts import load_script
 
 import refimpl
 import refimpl.demos
@@ -84,23 +84,13 @@ def test_every_public_refimpl_module_is_in_the_api_reference() -> None:
     assert public <= documented, f"missing from book/api/: {sorted(public - documented)}"
 
 
-def _reexported_data() -> Any:
-    """book/_ext/reexported_data.py, the extension that documents re-exported constants."""
-    path = ROOT / "book" / "_ext" / "reexported_data.py"
-    spec = importlib.util.spec_from_file_location("reexported_data", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_every_public_constant_is_documented_on_its_api_page() -> None:
     """``automodule`` shows a constant only if the module assigns it with a docstring; one that
     a package re-exports from a submodule needs an ``autodata`` line on the page (and a
     docstring where it is assigned, which book/_ext/reexported_data.py then shows)."""
     from sphinx.pycode import ModuleAnalyzer
 
-    extension = _reexported_data()
+    extension = load_script("book/_ext/reexported_data.py")  # documents re-exported constants
     undocumented = []
     for page in _api_pages():
         text = page.read_text()
@@ -451,22 +441,10 @@ def test_the_test_order_table_names_only_files_that_exist() -> None:
     )
 
 
-def _book_words_tool():  # type: ignore[no-untyped-def]
-    import importlib.util
-    import sys
-
-    spec = importlib.util.spec_from_file_location("book_words", ROOT / "tools" / "book_words.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["book_words"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_main_text_stays_within_the_word_targets() -> None:
     """Issue 40's targets: at most 4,500 words of main text (prose outside collapsed blocks)
     per chapter, under 40,000 for the book; depth goes into dropdowns, not into the page."""
-    tool = _book_words_tool()
+    tool = load_script("tools/book_words.py")
     rows = tool.book_words()
     assert len(rows) == len(CHAPTERS)
     over = {r.path.name: r.main for r in rows if r.main > tool.CHAPTER_LIMIT}
@@ -476,7 +454,7 @@ def test_main_text_stays_within_the_word_targets() -> None:
 
 
 def test_the_word_count_leaves_out_code_and_collapsed_blocks() -> None:
-    tool = _book_words_tool()
+    tool = load_script("tools/book_words.py")
     source = "\n".join(
         [
             "One two three.",

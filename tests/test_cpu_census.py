@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
 from pathlib import Path
 
 import pytest
+from helpers.scripts import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("cpu_census", ROOT / "tools" / "cpu_census.py")
-assert _spec is not None and _spec.loader is not None
-cpu_census = importlib.util.module_from_spec(_spec)
-sys.modules["cpu_census"] = cpu_census  # dataclasses look their module up there
-_spec.loader.exec_module(cpu_census)
+cpu_census = load_script("tools/cpu_census.py")
 
 pytestmark = [
     pytest.mark.timeout(60),

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
 import pytest
+from helpers.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("lab_workdir", ROOT / "tools" / "lab_workdir.py")
-assert _spec is not None and _spec.loader is not None
-lab_workdir = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(lab_workdir)
+lab_workdir = load_script("tools/lab_workdir.py")
 
 pytestmark = pytest.mark.timeout(60)
 CHAPTERS = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))

@@ -5,20 +5,14 @@ nbval vacuously; this test is what stops that."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import nbformat
 import pytest
+from helpers.scripts import load_script
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
-# tools/ is not a package: load the script the way `python tools/harness_out_of_sight.py` runs it
-_SPEC = importlib.util.spec_from_file_location(
-    "harness_out_of_sight", Path(__file__).parent.parent / "tools" / "harness_out_of_sight.py"
-)
-assert _SPEC is not None and _SPEC.loader is not None
-harness_out_of_sight = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(harness_out_of_sight)
+harness_out_of_sight = load_script("tools/harness_out_of_sight.py")
 
 
 def test_there_are_notebooks() -> None:
