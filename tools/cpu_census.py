@@ -47,15 +47,19 @@ class Census:
     seconds: float = 0.0
     started: dict[tuple[int, int], list[str | float]] = field(default_factory=dict)
 
+    def _ticks(self) -> tuple[int, int]:
+        """Clock ticks of all cores between the samples: (all, not idle)."""
+        spent = [b - a for a, b in zip(self.first, self.last, strict=True)]
+        return sum(spent), sum(spent) - spent[_IDLE] - spent[_IOWAIT]
+
     def busy(self) -> float:
         """The share of all cores' time that was not idle (iowait counts as idle)."""
-        spent = [b - a for a, b in zip(self.first, self.last, strict=True)]
-        total = sum(spent)
-        return 1.0 - (spent[_IDLE] + spent[_IOWAIT]) / total if total else 0.0
+        total, busy = self._ticks()
+        return busy / total if total else 0.0
 
     def machine_cpu_seconds(self) -> float:
-        spent = [b - a for a, b in zip(self.first, self.last, strict=True)]
-        return (sum(spent) - spent[_IDLE] - spent[_IOWAIT]) / _TICKS
+        """CPU seconds the whole machine spent between the samples, every process included."""
+        return self._ticks()[1] / _TICKS
 
 
 def _machine_columns() -> list[int]:
